@@ -1,0 +1,5 @@
+"""`python -m services.autoscaler --nats URL --port PORT` runs this service alone."""
+
+from services.stack import main_one
+
+main_one("autoscaler")

@@ -1,0 +1,5 @@
+from shared.cluster import ClusterProjection
+
+
+class HealthProjection(ClusterProjection):
+    name = "health"

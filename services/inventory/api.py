@@ -1,0 +1,65 @@
+"""Node inventory API: every node with its GPUs, links, health and allocation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException
+
+from shared.cluster import NodeState
+from shared.runtime import Service
+
+
+def node_state(node: NodeState) -> str:
+    if node.lost:
+        return "lost"
+    if node.draining:
+        return "draining"
+    if node.cordoned:
+        return "cordoned"
+    return "allocated" if node.gpu_alloc else "idle"
+
+
+def node_view(node: NodeState) -> dict[str, Any]:
+    info = node.info
+    domains = sorted({g.nvlink_domain for g in info.gpus if g.nvlink_domain})
+    return {
+        "id": info.node_id,
+        "state": node_state(node),
+        "labels": info.labels,
+        "rack": info.rack,
+        "zone": info.zone,
+        "pool": info.pool,
+        "cpu_milli": info.cpu_milli,
+        "memory_mib": info.memory_mib,
+        "cpu_allocated": node.cpu_alloc,
+        "memory_allocated": node.mem_alloc,
+        "nvlink_domains": domains,
+        "gpus": [
+            {
+                **g.model_dump(mode="json"),
+                "allocated_milli": node.gpu_alloc.get(g.uuid, 0),
+                "health": "unhealthy" if g.uuid in node.unhealthy or not g.healthy else "healthy",
+                "health_reason": node.unhealthy.get(g.uuid, g.error or ""),
+            }
+            for g in info.gpus
+        ],
+    }
+
+
+def router(svc: Service) -> APIRouter:
+    r = APIRouter(tags=["nodes"])
+    proj = svc.projection
+
+    @r.get("/v1/nodes")
+    def list_nodes() -> list[dict[str, Any]]:
+        return [node_view(n) for n in proj.nodes.values()]
+
+    @r.get("/v1/nodes/{node_id}")
+    def get_node(node_id: str) -> dict[str, Any]:
+        node = proj.nodes.get(node_id)
+        if node is None:
+            raise HTTPException(404, f"no node {node_id}")
+        return node_view(node)
+
+    return r

@@ -1,0 +1,9 @@
+from shared.runtime import Metrics, Service
+from shared.settings import Settings
+
+from services.inventory.api import router
+from services.inventory.projection import InventoryProjection
+
+
+def build(settings: Settings, metrics: Metrics | None = None) -> Service:
+    return Service("inventory", InventoryProjection(), router=router, snapshot_every=settings.snapshot_every, metrics=metrics)

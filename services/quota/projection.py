@@ -1,0 +1,5 @@
+from shared.cluster import ClusterProjection
+
+
+class QuotaProjection(ClusterProjection):
+    name = "quota"

@@ -1,0 +1,9 @@
+from shared.runtime import Metrics, Service
+from shared.settings import Settings
+
+from services.quota.api import router
+from services.quota.projection import QuotaProjection
+
+
+def build(settings: Settings, metrics: Metrics | None = None) -> Service:
+    return Service("quota", QuotaProjection(), router=router, snapshot_every=settings.snapshot_every, metrics=metrics)

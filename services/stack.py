@@ -1,0 +1,254 @@
+"""Compose the services: all in one process (default), one process each (--split), or one alone.
+
+The one-process stack mounts every router on one FastAPI app. The split stack runs
+each service as ``python -m services.<name>`` on its own port and a gateway on the
+main port that serves the history API and forwards every other path to its owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import importlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from shared.api_events import events_router
+from shared.eventlog import EventLog
+from shared.natsd import NatsServer, free_port, port_open
+from shared.runtime import Metrics, Service, build_app, run_process
+from shared.settings import Settings
+from shared.telemetry import setup_logging, setup_tracing
+
+log = logging.getLogger("gpuorch.stack")
+
+SERVICES = ("inventory", "scheduler", "quota", "autoscaler", "health")
+
+# path prefix -> owning service, for the split gateway (longest prefix first)
+ROUTES: list[tuple[str, str]] = [
+    ("/v1/jobs", "scheduler"),
+    ("/v1/queues", "quota"),
+    ("/v1/usage", "quota"),
+    ("/v1/pools", "autoscaler"),
+    ("/v1/deployments", "autoscaler"),
+    ("/v1/nodes", "inventory"),
+]
+NODE_ACTIONS = ("/cordon", "/drain", "/resume")
+
+
+def owner(path: str) -> str | None:
+    if path.startswith("/v1/nodes/") and path.endswith(NODE_ACTIONS):
+        return "health"
+    for prefix, name in ROUTES:
+        if path == prefix or path.startswith(prefix + "/"):
+            return name
+    return None
+
+
+def build_service(name: str, settings: Settings, metrics: Metrics | None = None) -> Service:
+    if name not in SERVICES:
+        raise typer.BadParameter(f"unknown service {name!r}; one of {', '.join(SERVICES)}")
+    module = importlib.import_module(f"services.{name}.service")
+    return module.build(settings, metrics)
+
+
+@contextlib.contextmanager
+def data_dir_lock(data_dir: Path) -> Iterator[None]:
+    """One stack per data dir: a second `gpuorch up` on it gets a clear error, not a corrupted store."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fh = open(data_dir / "stack.lock", "w")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"error: another gpuorch stack is running on {data_dir} (see {data_dir / 'stack.json'})") from None
+    try:
+        yield
+    finally:
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
+
+
+@contextlib.contextmanager
+def embedded_nats(settings: Settings) -> Iterator[str]:
+    """Yield the NATS URL: the configured one, or an embedded nats-server on the data dir."""
+    if settings.nats_url:
+        yield settings.nats_url
+        return
+    server = NatsServer(settings.data_dir / "nats", sync_always=settings.sync_always).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def write_stack_file(settings: Settings, nats_url: str, split: bool) -> None:
+    info = {"pid": os.getpid(), "nats_url": nats_url, "api": f"http://{settings.host}:{settings.port}", "split": split}
+    (settings.data_dir / "stack.json").write_text(json.dumps(info, indent=2))
+
+
+async def _serve_one_process(settings: Settings, nats_url: str, names: tuple[str, ...]) -> None:
+    evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-stack")
+    metrics = Metrics()
+    services = [build_service(n, settings, metrics) for n in names]
+
+    def started() -> None:
+        log.info("event=stack_up api=http://%s:%d nats=%s services=%s", settings.host, settings.port, nats_url, ",".join(names))
+
+    try:
+        await run_process(services, evlog, settings.host, settings.port, [events_router(lambda: evlog)], started)
+    finally:
+        await evlog.close()
+
+
+def up(settings: Settings, split: bool = False) -> None:
+    """`gpuorch up`: the whole stack until Ctrl-C; a second run on the same data dir resumes its state."""
+    setup_logging(settings.log_level)
+    setup_tracing("gpuorch")
+    if port_open(settings.port, settings.host):
+        raise SystemExit(f"error: port {settings.port} is in use; pick another with --port")
+    with data_dir_lock(settings.data_dir), embedded_nats(settings) as nats_url:
+        write_stack_file(settings, nats_url, split)
+        if split:
+            _run_split(settings, nats_url)
+        else:
+            asyncio.run(_serve_one_process(settings, nats_url, SERVICES))
+
+
+# --- split mode ---------------------------------------------------------------------
+
+
+def spawn_service(name: str, nats_url: str, port: int, settings: Settings, log_dir: Path) -> subprocess.Popen:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out = open(log_dir / f"{name}.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", f"services.{name}", "--nats", nats_url, "--port", str(port), "--host", settings.host,
+         "--snapshot-every", str(settings.snapshot_every)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _run_split(settings: Settings, nats_url: str) -> None:
+    ports = {name: free_port() for name in SERVICES}
+    procs = {name: spawn_service(name, nats_url, ports[name], settings, settings.data_dir / "logs") for name in SERVICES}
+    (settings.data_dir / "split.json").write_text(
+        json.dumps({n: {"port": ports[n], "pid": p.pid} for n, p in procs.items()}, indent=2)
+    )
+    try:
+        asyncio.run(_serve_gateway(settings, nats_url, ports))
+    finally:
+        stop_processes(procs.values())
+
+
+def stop_processes(procs: Any, timeout: float = 10.0) -> None:
+    procs = [p for p in procs if p.poll() is None]
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+async def _serve_gateway(settings: Settings, nats_url: str, ports: dict[str, int]) -> None:
+    import httpx
+    import uvicorn
+    from fastapi import Request, Response
+
+    evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-gateway")
+    app = build_app([], [events_router(lambda: evlog)])
+    client = httpx.AsyncClient(timeout=30)
+
+    @app.get("/v1/services", include_in_schema=False)
+    async def services_status() -> list[dict[str, Any]]:
+        out = []
+        for name, port in ports.items():
+            try:
+                out.extend((await client.get(f"http://{settings.host}:{port}/v1/services")).json())
+            except httpx.HTTPError as e:
+                out.append({"service": name, "ready": False, "error": repr(e)})
+        return out
+
+    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+    async def forward(rest: str, request: Request) -> Response:
+        name = owner(request.url.path)
+        if name is None:
+            return Response(json.dumps({"detail": f"no route for {request.url.path}"}), 404, media_type="application/json")
+        url = f"http://{settings.host}:{ports[name]}{request.url.path}"
+        try:
+            resp = await client.request(
+                request.method, url, params=request.query_params, content=await request.body(),
+                headers={k: v for k, v in request.headers.items() if k.lower() in ("content-type", "accept", "traceparent")},
+            )
+        except httpx.HTTPError as e:
+            return Response(json.dumps({"detail": f"service {name} unavailable: {e!r}"}), 503, media_type="application/json")
+        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="off"))
+    log.info("event=gateway_up api=http://%s:%d services=%s", settings.host, settings.port, ports)
+    try:
+        await server.serve()
+    finally:
+        await client.aclose()
+        await evlog.close()
+
+
+# --- one service alone ----------------------------------------------------------------
+
+
+def main_one(name: str) -> None:
+    """Entry point of `python -m services.<name>`."""
+    app = typer.Typer(add_completion=False)
+
+    @app.command()
+    def run(
+        nats: str = typer.Option(os.environ.get("GPUORCH_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL"),
+        port: int = typer.Option(8080, help="HTTP port of this service"),
+        host: str = typer.Option("127.0.0.1"),
+        snapshot_every: int = typer.Option(10_000, help="snapshot the projection every N events"),
+        replicas: int = typer.Option(1, help="stream replicas (3 in a JetStream cluster)"),
+    ) -> None:
+        settings = Settings(nats_url=nats, port=port, host=host, snapshot_every=snapshot_every, replicas=replicas)
+        setup_logging(settings.log_level)
+        setup_tracing(f"gpuorch-{name}")
+        asyncio.run(_serve_alone(name, settings))
+
+    app()
+
+
+async def _serve_alone(name: str, settings: Settings) -> None:
+    evlog = await EventLog.connect(settings.nats_url or "", replicas=settings.replicas, name=f"gpuorch-{name}")
+    try:
+        await run_process([build_service(name, settings)], evlog, settings.host, settings.port)
+    finally:
+        await evlog.close()
+
+
+def wait_http(url: str, timeout: float = 15.0, ok: Callable[[int], bool] = lambda c: c == 200) -> bool:
+    """Poll an HTTP URL until it answers as wanted or the deadline passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if ok(httpx.get(url, timeout=1).status_code):
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False

@@ -1,0 +1,85 @@
+"""The history API: ``GET /v1/events`` (paged) and ``GET /v1/events/stream`` (server-sent events)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.responses import StreamingResponse
+
+from shared.eventlog import EventLog, Record, Undecodable
+from shared.events import CE_PREFIX, SUBJECT_PREFIX, subject_token
+
+
+def record_json(rec: Record) -> dict[str, Any]:
+    if isinstance(rec, Undecodable):
+        return {"seq": rec.seq, "undecodable": rec.reason}
+    return {"seq": rec.seq, **rec.to_cloudevent()}
+
+
+def subject_filter(subject: str | None) -> list[str] | None:
+    """``job/j-1`` or ``job`` (CloudEvents subject or aggregate) -> NATS subject filters."""
+    if not subject:
+        return None
+    aggregate, _, ident = subject.partition("/")
+    if not aggregate.isidentifier():
+        raise HTTPException(422, f"subject must look like 'job' or 'job/<id>', got {subject!r}")
+    return [f"{SUBJECT_PREFIX}.{aggregate}.{subject_token(ident) if ident else '>'}"]
+
+
+def type_matches(rec: Record, type_: str | None) -> bool:
+    if not type_:
+        return True
+    if isinstance(rec, Undecodable):
+        return False
+    return rec.type == type_ or rec.type.startswith(f"{CE_PREFIX}{type_}.v") or rec.data.TYPE == type_
+
+
+def events_router(get_log: Callable[[], EventLog]) -> APIRouter:
+    r = APIRouter(tags=["events"])
+
+    @r.get("/v1/events")
+    async def list_events(
+        after: Annotated[int, Query(ge=0)] = 0,
+        type: Annotated[str | None, Query(max_length=200)] = None,
+        subject: Annotated[str | None, Query(max_length=300)] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    ) -> list[dict[str, Any]]:
+        log = get_log()
+        out: list[dict[str, Any]] = []
+        async for rec in log.replay(after + 1, subject_filter(subject), batch=min(1000, max(limit, 100))):
+            if type_matches(rec, type):
+                out.append(record_json(rec))
+                if len(out) >= limit:
+                    break
+        return out
+
+    @r.get("/v1/events/stream")
+    async def stream_events(
+        request: Request,
+        after: Annotated[int | None, Query(ge=0, description="default: only new events")] = None,
+        type: Annotated[str | None, Query(max_length=200)] = None,
+        subject: Annotated[str | None, Query(max_length=300)] = None,
+    ) -> StreamingResponse:
+        log = get_log()
+        subjects = subject_filter(subject)
+
+        async def gen() -> AsyncIterator[bytes]:
+            follower = log.follow(None if after is None else after + 1, subjects[0] if subjects else f"{SUBJECT_PREFIX}.>")
+            try:
+                async for rec in follower:
+                    if await request.is_disconnected():
+                        break
+                    if rec is None:
+                        yield b": keep-alive\n\n"
+                    elif type_matches(rec, type):
+                        kind = "undecodable" if isinstance(rec, Undecodable) else rec.type
+                        yield f"id: {rec.seq}\nevent: {kind}\ndata: {json.dumps(record_json(rec))}\n\n".encode()
+            finally:
+                await follower.aclose()
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return r

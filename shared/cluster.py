@@ -1,0 +1,308 @@
+"""The cluster as every service sees it: nodes, GPU allocations, jobs and queues, folded from events.
+
+Each service's projection extends ``ClusterProjection`` with what only it needs.
+The fold checks every transition: a placement on a GPU that is already full, or a
+job event for a job in the wrong state, is recorded as invalid and changes nothing,
+so a replay is deterministic even when two leaders overlapped for a moment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shared import events as ev
+from shared.events import Envelope, TaskPlacement
+from shared.model import MILLI, JobSpec, NodeInfo, QueueSpec
+from shared.runtime import Projection
+
+ACTIVE = frozenset({"placed", "running", "preempting"})  # holding resources
+TERMINAL = frozenset({"succeeded", "failed", "cancelled", "rejected"})
+PENDING = frozenset({"submitted", "queued"})
+
+
+@dataclass
+class NodeState:
+    info: NodeInfo
+    cordoned: bool = False
+    draining: bool = False
+    lost: bool = False
+    unhealthy: dict[str, str] = field(default_factory=dict)  # gpu uuid -> why
+    gpu_alloc: dict[str, int] = field(default_factory=dict)  # gpu uuid -> milli allocated
+    cpu_alloc: int = 0
+    mem_alloc: int = 0
+    registered_at: float = 0.0
+
+    @property
+    def schedulable(self) -> bool:
+        return not (self.cordoned or self.draining or self.lost)
+
+    def free_milli(self, uuid: str) -> int:
+        return MILLI - self.gpu_alloc.get(uuid, 0)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["info"] = self.info.model_dump(mode="json")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "NodeState":
+        return cls(**{**d, "info": NodeInfo.model_validate(d["info"])})
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    spec: JobSpec
+    state: str = "submitted"
+    submitted_at: float = 0.0
+    updated_at: float = 0.0
+    placed_at: float | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    placements: list[TaskPlacement] = field(default_factory=list)
+    reason: str = ""
+    exit_code: int | None = None
+    tasks_running: list[int] = field(default_factory=list)
+    tasks_exited: dict[int, int | None] = field(default_factory=dict)
+    preemptions: list[float] = field(default_factory=list)  # times it was preempted
+    retries: int = 0
+    timed_out: bool = False
+
+    @property
+    def gpu_milli_total(self) -> int:
+        return self.spec.gpu_milli * self.spec.tasks
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["spec"] = self.spec.model_dump(mode="json")
+        d["placements"] = [p.model_dump(mode="json") for p in self.placements]
+        d["tasks_exited"] = {str(k): v for k, v in self.tasks_exited.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "JobRecord":
+        return cls(
+            **{
+                **d,
+                "spec": JobSpec.model_validate(d["spec"]),
+                "placements": [TaskPlacement.model_validate(p) for p in d["placements"]],
+                "tasks_exited": {int(k): v for k, v in d["tasks_exited"].items()},
+            }
+        )
+
+
+DEFAULT_QUEUE = "default"
+
+
+class ClusterProjection(Projection):
+    name = "cluster"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: dict[str, NodeState] = {}
+        self.jobs: dict[str, JobRecord] = {}
+        self.queues: dict[str, QueueSpec] = {DEFAULT_QUEUE: QueueSpec()}
+        self.now = 0.0  # time of the last event folded: the projection's clock
+
+    def apply(self, env: Envelope) -> bool:
+        self.now = max(self.now, env.timestamp)
+        return super().apply(env)
+
+    # --- nodes -----------------------------------------------------------------------
+
+    def on_node_registered(self, env: Envelope, e: ev.NodeRegistered) -> None:
+        old = self.nodes.get(e.node_id)
+        if old is None:
+            self.nodes[e.node_id] = NodeState(info=e.node, registered_at=env.timestamp)
+        else:  # an agent restart re-reports its inventory; cordon and allocations stay
+            old.info, old.lost = e.node, False
+
+    def _node(self, env: Envelope, node_id: str) -> NodeState | None:
+        node = self.nodes.get(node_id)
+        if node is None:
+            self.invalid(env, f"unknown node {node_id}")
+        return node
+
+    def on_node_cordoned(self, env: Envelope, e: ev.NodeCordoned) -> None:
+        if node := self._node(env, e.node_id):
+            node.cordoned = True
+
+    def on_node_drain_requested(self, env: Envelope, e: ev.NodeDrainRequested) -> None:
+        if node := self._node(env, e.node_id):
+            node.cordoned = node.draining = True
+
+    def on_node_drained(self, env: Envelope, e: ev.NodeDrained) -> None:
+        if node := self._node(env, e.node_id):
+            node.draining = False
+
+    def on_node_resumed(self, env: Envelope, e: ev.NodeResumed) -> None:
+        if node := self._node(env, e.node_id):
+            node.cordoned = node.draining = False
+            node.unhealthy.clear()
+
+    def on_node_lost(self, env: Envelope, e: ev.NodeLost) -> None:
+        if node := self._node(env, e.node_id):
+            node.lost = True
+
+    def on_gpu_unhealthy(self, env: Envelope, e: ev.GpuUnhealthy) -> None:
+        if node := self._node(env, e.node_id):
+            node.unhealthy[e.gpu_uuid] = f"{e.kind}{'' if e.xid is None else f' xid {e.xid}'}: {e.detail}".strip()
+
+    # --- queues ----------------------------------------------------------------------
+
+    def on_queue_defined(self, env: Envelope, e: ev.QueueDefined) -> None:
+        self.queues[e.path] = e.spec
+
+    def on_queue_updated(self, env: Envelope, e: ev.QueueUpdated) -> None:
+        if e.path not in self.queues:
+            self.invalid(env, f"unknown queue {e.path}")
+            return
+        self.queues[e.path] = e.spec
+
+    def on_queue_deleted(self, env: Envelope, e: ev.QueueDeleted) -> None:
+        if self.queues.pop(e.path, None) is None:
+            self.invalid(env, f"unknown queue {e.path}")
+
+    # --- jobs ------------------------------------------------------------------------
+
+    def _job(self, env: Envelope, job_id: str, allowed: frozenset[str] | set[str]) -> JobRecord | None:
+        job = self.jobs.get(job_id)
+        if job is None:
+            self.invalid(env, f"unknown job {job_id}")
+            return None
+        if job.state not in allowed:
+            self.invalid(env, f"job {job_id} is {job.state}")
+            return None
+        job.updated_at = env.timestamp
+        return job
+
+    def on_job_submitted(self, env: Envelope, e: ev.JobSubmitted) -> None:
+        if e.job_id in self.jobs:
+            self.invalid(env, f"job {e.job_id} submitted twice")
+            return
+        t = env.timestamp if e.submitted_at is None else e.submitted_at
+        self.jobs[e.job_id] = JobRecord(e.job_id, e.spec, submitted_at=t, updated_at=env.timestamp)
+
+    def on_job_rejected(self, env: Envelope, e: ev.JobRejected) -> None:
+        if job := self._job(env, e.job_id, PENDING):
+            job.state, job.reason, job.ended_at = "rejected", e.reason, env.timestamp
+
+    def on_job_queued(self, env: Envelope, e: ev.JobQueued) -> None:
+        if job := self._job(env, e.job_id, {"submitted", "preempted", "lost"}):
+            job.state, job.reason = "queued", ""
+
+    def on_job_unschedulable(self, env: Envelope, e: ev.JobUnschedulable) -> None:
+        if job := self._job(env, e.job_id, {"queued"}):
+            job.reason = e.reason
+
+    def on_job_placed(self, env: Envelope, e: ev.JobPlaced) -> None:
+        job = self._job(env, e.job_id, {"queued"})
+        if job is None:
+            return
+        if why := self._cannot_hold(e.placements):
+            self.invalid(env, why)
+            return
+        for p in e.placements:
+            self._reserve(p, +1)
+        job.state, job.placements, job.reason = "placed", list(e.placements), ""
+        job.placed_at, job.tasks_running, job.tasks_exited = env.timestamp, [], {}
+
+    def _cannot_hold(self, placements: tuple[TaskPlacement, ...]) -> str:
+        want: dict[tuple[str, str], int] = {}
+        for p in placements:
+            node = self.nodes.get(p.node_id)
+            if node is None:
+                return f"placement on unknown node {p.node_id}"
+            uuids = {g.uuid for g in node.info.gpus} | {s.uuid for g in node.info.gpus for s in g.mig_slices}
+            for share in p.gpus:
+                if share.uuid not in uuids:
+                    return f"placement on unknown GPU {share.uuid} of node {p.node_id}"
+                want[(p.node_id, share.uuid)] = want.get((p.node_id, share.uuid), 0) + share.milli
+        for (node_id, uuid), milli in want.items():
+            if self.nodes[node_id].gpu_alloc.get(uuid, 0) + milli > MILLI:
+                return f"GPU {uuid} on {node_id} would be over-committed"
+        return ""
+
+    def _reserve(self, p: TaskPlacement, sign: int) -> None:
+        node = self.nodes.get(p.node_id)
+        if node is None:
+            return
+        for share in p.gpus:
+            left = node.gpu_alloc.get(share.uuid, 0) + sign * share.milli
+            if left:
+                node.gpu_alloc[share.uuid] = left
+            else:
+                node.gpu_alloc.pop(share.uuid, None)
+        node.cpu_alloc += sign * p.cpu_milli
+        node.mem_alloc += sign * p.memory_mib
+
+    def _release(self, job: JobRecord) -> None:
+        if job.state in ACTIVE:
+            for p in job.placements:
+                self._reserve(p, -1)
+
+    def on_job_task_started(self, env: Envelope, e: ev.JobTaskStarted) -> None:
+        if job := self._job(env, e.job_id, {"placed", "running", "preempting"}):
+            if job.state == "placed":
+                job.state = "running"
+            if job.started_at is None:
+                job.started_at = env.timestamp
+            if e.task not in job.tasks_running:
+                job.tasks_running.append(e.task)
+
+    def on_job_task_exited(self, env: Envelope, e: ev.JobTaskExited) -> None:
+        if job := self._job(env, e.job_id, ACTIVE | TERMINAL | {"preempted", "queued"}):
+            if e.task in job.tasks_running:
+                job.tasks_running.remove(e.task)
+            job.tasks_exited[e.task] = e.code
+
+    def _end(self, env: Envelope, job_id: str, state: str, allowed: frozenset[str]) -> JobRecord | None:
+        job = self._job(env, job_id, allowed)
+        if job is not None:
+            self._release(job)
+            job.state, job.ended_at = state, env.timestamp
+        return job
+
+    def on_job_succeeded(self, env: Envelope, e: ev.JobSucceeded) -> None:
+        self._end(env, e.job_id, "succeeded", ACTIVE)
+
+    def on_job_failed(self, env: Envelope, e: ev.JobFailed) -> None:
+        if job := self._end(env, e.job_id, "failed", ACTIVE | PENDING):
+            job.exit_code, job.reason = e.code, e.reason
+
+    def on_job_cancelled(self, env: Envelope, e: ev.JobCancelled) -> None:
+        if job := self._end(env, e.job_id, "cancelled", ACTIVE | PENDING | {"preempted"}):
+            job.reason = e.reason
+
+    def on_job_preempting(self, env: Envelope, e: ev.JobPreempting) -> None:
+        if job := self._job(env, e.job_id, {"placed", "running"}):
+            job.state, job.reason = "preempting", e.reason
+
+    def on_job_preempted(self, env: Envelope, e: ev.JobPreempted) -> None:
+        job = self._job(env, e.job_id, {"preempting"})
+        if job is not None:
+            self._release(job)
+            job.state, job.placements, job.tasks_running = "preempted", [], []
+            job.preemptions.append(env.timestamp)
+            job.started_at = job.placed_at = None
+
+    def on_job_timed_out(self, env: Envelope, e: ev.JobTimedOut) -> None:
+        if job := self._job(env, e.job_id, ACTIVE):
+            job.timed_out = True
+
+    # --- state -----------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "now": self.now,
+            "nodes": {k: v.to_json() for k, v in self.nodes.items()},
+            "jobs": {k: v.to_json() for k, v in self.jobs.items()},
+            "queues": {k: v.model_dump(mode="json") for k, v in self.queues.items()},
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.now = state["now"]
+        self.nodes = {k: NodeState.from_json(v) for k, v in state["nodes"].items()}
+        self.jobs = {k: JobRecord.from_json(v) for k, v in state["jobs"].items()}
+        self.queues = {k: QueueSpec.model_validate(v) for k, v in state["queues"].items()}

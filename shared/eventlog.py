@@ -20,7 +20,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import APIError, BadRequestError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, KeyWrongLastSequenceError, NoStreamResponseError, NotFoundError
 from nats.js.kv import KeyValue
 
 from shared.events import SUBJECT_PREFIX, Envelope, MalformedEvent, UnknownEventType, decode
@@ -35,6 +35,14 @@ SNAPSHOT_BUCKET = "gpuorch-snapshots"
 HEARTBEAT_BUCKET = "gpuorch_heartbeats"
 LEASE_BUCKET = "gpuorch_leases"
 WRONG_LAST_SEQUENCE = 10071
+RETRYABLE = (
+    asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.ConnectionClosedError,
+    NoStreamResponseError,
+)
 
 
 class ConcurrencyConflict(Exception):
@@ -155,26 +163,66 @@ class EventLog:
 
     # --- append --------------------------------------------------------------------
 
-    async def append(self, env: Envelope, expected_last_subject_seq: int | None = None) -> int:
-        """Store one event; return its stream sequence (the original one for a duplicate id)."""
+    async def append(self, env: Envelope, expected_last_subject_seq: int | None = None, timeout: float = 30) -> int:
+        """Store one event; return its stream sequence (the original one for a duplicate id).
+
+        A lost acknowledgement (timeout, reconnect) is retried until ``timeout``: the
+        message id makes the retry idempotent.
+        """
         headers = env.headers()
         if expected_last_subject_seq is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
-        try:
-            ack = await self.js.publish(env.data.nats_subject, env.encode(), headers=headers, timeout=5)
-        except APIError as e:
-            if e.err_code == WRONG_LAST_SEQUENCE:
-                raise ConcurrencyConflict(f"{env.subject}: {e.description}") from None
-            raise
-        return ack.seq
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                ack = await self.js.publish(env.data.nats_subject, env.encode(), headers=headers, timeout=2)
+                return ack.seq
+            except APIError as e:
+                if e.err_code == WRONG_LAST_SEQUENCE:
+                    raise ConcurrencyConflict(f"{env.subject}: {e.description}") from None
+                if e.code != 503:
+                    raise
+                error: Exception = e
+            except RETRYABLE as e:
+                error = e
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"append {env.type} {env.subject}: no acknowledgement within {timeout}s: {error!r}")
+            await asyncio.sleep(0.1)
 
-    async def append_many(self, envs: Iterable[Envelope]) -> list[int]:
-        """Store many events with pipelined publishes (async acks); return their sequences in order."""
-        futures = [
-            await self.js.publish_async(env.data.nats_subject, env.encode(), headers=env.headers()) for env in envs
-        ]
-        acks = await asyncio.gather(*futures)
-        return [a.seq for a in acks]
+    async def append_many(self, envs: Iterable[Envelope], timeout: float = 60) -> list[int]:
+        """Store many events with pipelined publishes (async acks); return their sequences in order.
+
+        Publishes whose acknowledgement is lost are sent again (same ids, so stored once).
+        """
+        envs = list(envs)
+        seqs: list[int] = [0] * len(envs)
+        todo = list(range(len(envs)))
+        deadline = asyncio.get_running_loop().time() + timeout
+        while todo:
+            futures: list[tuple[int, asyncio.Future]] = []
+            try:
+                for i in todo:
+                    env = envs[i]
+                    futures.append((i, await self.js.publish_async(env.data.nats_subject, env.encode(), headers=env.headers())))
+            except RETRYABLE:
+                pass
+            if futures:
+                await asyncio.wait([f for _, f in futures], timeout=5)
+            retry = set(todo) - {i for i, _ in futures}
+            for i, fut in futures:
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    seqs[i] = fut.result().seq
+                    continue
+                if fut.done() and not fut.cancelled() and isinstance(fut.exception(), APIError) and fut.exception().code != 503:
+                    raise fut.exception()
+                fut.cancel()
+                retry.add(i)
+            todo = sorted(retry)
+            if todo and asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"append_many: {len(todo)} events unacknowledged after {timeout}s")
+            if todo:
+                await asyncio.sleep(0.1)
+        return seqs
 
     async def subject_last_seq(self, subject: str) -> int:
         """Stream sequence of the last event on one aggregate's subject (0 if none)."""

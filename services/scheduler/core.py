@@ -1,0 +1,394 @@
+"""One scheduling cycle: snapshot -> ordered actions (allocate, backfill, preempt, reclaim) -> plan.
+
+Pure: no I/O, no clock (``now`` is passed in), deterministic for a given
+snapshot and policy seed. Every tentative operation runs on the cycle's working
+copy of free capacity and is kept or undone as a unit per gang.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from services.scheduler.fragmentation import TypicalShape, typical_shapes
+from services.scheduler.gang import GangFit, capacity, place_gang
+from services.scheduler.placement import POLICIES, NodeScorer
+from services.scheduler.preemption import VictimSearch, lost_gpu_seconds
+from services.scheduler.reasons import explain, held_back
+from services.scheduler.snapshot import PendingJob, Snapshot
+from services.scheduler.workstate import LONG, NOW, Footprint, TaskShape, WorkState
+from shared.events import GpuShare, TaskPlacement
+from shared.model import MILLI, PRIORITY_RANK
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a cycle decides. ``name`` picks the node scorer (see placement.POLICIES)."""
+
+    name: str = "fgd"
+    seed: int = 0
+    typical: tuple[TypicalShape, ...] | None = None  # FGD's target workload; None: from the snapshot's jobs
+    backfill: bool = True  # False: no reservation, any job that fits starts
+    preempt: bool = True
+    cross_queue_preemption: bool = False
+    preemptible_below: int = PRIORITY_RANK["normal"]  # only ranks below this are ever evicted for priority
+    grace_s: int = 30
+    max_preemptors: int = 16  # victim searches per cycle; the rest wait for the next cycle
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"unknown policy {self.name!r}; choose one of {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    job_id: str
+    tasks: tuple[TaskPlacement, ...]
+    spread: str  # tightest level the gang reached: nvlink | node | rack | zone | any
+    policy: str
+
+
+@dataclass(frozen=True)
+class Preemption:
+    job_id: str
+    reason: str
+    grace_s: int = 30
+    for_job: str = ""  # the preemptor; empty for a reclaim
+    for_queue: str = ""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    job_id: str
+    start: float  # when enough should be free (inf: waits on jobs without a time limit)
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ReclaimRequest:
+    queue: str
+    gpus: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str
+    placements: Mapping[str, Placement] = field(default_factory=dict)
+    preemptions: tuple[Preemption, ...] = ()
+    unschedulable: Mapping[str, str] = field(default_factory=dict)
+    reservation: Reservation | None = None
+
+
+def typical_from_snapshot(snapshot: Snapshot) -> tuple[TypicalShape, ...]:
+    """FGD's target workload from the task shapes now pending and running (each task counts once)."""
+    counts: dict[tuple[int, int, int, tuple[str, ...]], int] = {}
+    for job in (*snapshot.pending, *snapshot.running):
+        s = TaskShape.of(job.spec)
+        if s.mig:
+            continue  # MIG slices are not whole-GPU capacity; FGD does not model them
+        key = (s.cpu, s.milli, s.gpus, s.models)
+        counts[key] = counts.get(key, 0) + job.spec.tasks
+    return typical_shapes(counts)
+
+
+def job_order(jobs: Sequence[PendingJob]) -> list[PendingJob]:
+    return sorted(jobs, key=lambda j: (-j.priority_rank, j.submitted_at, j.job_id))
+
+
+class Cycle:
+    """The state of one ``run_cycle`` call; nothing outlives it."""
+
+    def __init__(self, snapshot: Snapshot, policy: Policy, now: float) -> None:
+        self.snap, self.policy, self.now = snapshot, policy, now
+        typical = policy.typical if policy.typical is not None else typical_from_snapshot(snapshot)
+        self.scorer = NodeScorer(policy.name, typical, policy.seed)
+        self.ws = WorkState(snapshot.nodes, self.scorer, policy.seed)
+        self.ws.note_running(snapshot.running)
+        self._empty: WorkState | None = None
+        self.placements: dict[str, Placement] = {}
+        self.preemptions: list[Preemption] = []
+        self.unschedulable: dict[str, str] = {}
+        self.reservation: Reservation | None = None
+        self.evicted: set[str] = set()
+        self.waiting: list[PendingJob] = []  # not placed, in the order they were tried
+        self.ends: list[tuple[float, str, Footprint]] = []  # jobs placed this cycle: when they free up
+        self.allocated: dict[str, float] = {}
+        for r in snapshot.running:
+            self.allocated[r.queue] = self.allocated.get(r.queue, 0.0) + r.gpu_milli / MILLI
+        self._failed: dict[tuple[int, str, str], int] = {}  # (shape, topology, mode) -> fewest tasks that failed
+        self._reasons: dict[tuple[int, str, int, str], str] = {}
+
+    @property
+    def empty(self) -> WorkState:
+        """The cluster as if nothing ran: to tell "never" from "not now"."""
+        if self._empty is None:
+            self._empty = WorkState(self.snap.nodes, self.scorer, self.policy.seed, empty=True, book=self.ws.book)
+        return self._empty
+
+    # --- order --------------------------------------------------------------------------
+
+    def order(self) -> Iterator[PendingJob]:
+        """Queues furthest below their entitlement first (by name without entitlements); in a queue, priority then age."""
+        by_queue: dict[str, list[PendingJob]] = {}
+        for j in job_order(self.snap.pending):
+            by_queue.setdefault(j.queue, []).append(j)
+        ent = self.snap.entitlements
+        if ent is None:
+            for q in sorted(by_queue):
+                yield from by_queue[q]
+            return
+
+        def share(q: str) -> float:
+            e = ent.get(q, 0.0)
+            return self.allocated.get(q, 0.0) / e if e > 0 else math.inf
+
+        heads = {q: 0 for q in by_queue}
+        heap = [(share(q), q) for q in by_queue]
+        heapq.heapify(heap)
+        while heap:
+            _, q = heapq.heappop(heap)
+            jobs, i = by_queue[q], heads[q]
+            heads[q] = i + 1
+            yield jobs[i]
+            if i + 1 < len(jobs):
+                heapq.heappush(heap, (share(q), q))
+
+    # --- placing ------------------------------------------------------------------------
+
+    def try_place(self, job: PendingJob, mode: str) -> GangFit | None:
+        spec = job.spec
+        sid = self.ws.shape_id(TaskShape.of(spec))
+        # Capacity only shrinks while placing, so a shape that failed with n tasks fails with n or more.
+        if self._failed.get((sid, spec.topology, NOW), 1 << 30) <= spec.tasks:
+            return None
+        if mode == LONG and self._failed.get((sid, spec.topology, LONG), 1 << 30) <= spec.tasks:
+            return None
+        fit = place_gang(self.ws, sid, spec.tasks, spec.topology, mode)
+        if fit is None:
+            key = (sid, spec.topology, mode)
+            self._failed[key] = min(self._failed.get(key, 1 << 30), spec.tasks)
+        return fit
+
+    def commit(self, job: PendingJob, fit: GangFit) -> None:
+        shape = self.ws.shapes[self.ws.shape_id(TaskShape.of(job.spec))]
+        tasks, fp = [], []
+        for t, (idx, pick) in enumerate(fit.tasks):
+            node = self.ws.nodes[idx]
+            shares = []
+            for g, bit in pick:
+                if bit:
+                    uuid = node.slice_uuids[g][bit.bit_length() - 1]
+                    shares.append(GpuShare.model_construct(uuid=uuid, milli=MILLI, mig_profile=shape.mig))
+                else:
+                    shares.append(GpuShare.model_construct(uuid=node.gpu_uuids[g], milli=shape.milli, mig_profile=None))
+            tasks.append(
+                TaskPlacement.model_construct(
+                    task=t, node_id=node.node_id, gpus=tuple(shares), cpu_milli=shape.cpu, memory_mib=shape.mem
+                )
+            )
+            fp.append((idx, tuple((g, bit, MILLI if bit else shape.milli) for g, bit in pick), shape.cpu, shape.mem, None))
+        self.placements[job.job_id] = Placement(job.job_id, tuple(tasks), fit.spread, self.policy.name)
+        self.allocated[job.queue] = self.allocated.get(job.queue, 0.0) + shape.gpu_milli * job.spec.tasks / MILLI
+        limit = job.spec.time_limit_s
+        self.ends.append((math.inf if limit is None else self.now + limit, job.job_id, tuple(fp)))
+
+    def reason(self, job: PendingJob, mode: str) -> str:
+        spec = job.spec
+        sid = self.ws.shape_id(TaskShape.of(spec))
+        key = (sid, spec.topology, spec.tasks, mode)
+        if key not in self._reasons:
+            self._reasons[key] = explain(self.ws, self.empty, sid, spec.tasks, spec.topology, self.snap.nodes, mode)
+        return self._reasons[key]
+
+    # --- actions ------------------------------------------------------------------------
+
+    def allocate(self, jobs: Iterator[PendingJob]) -> None:
+        """Place jobs in order until one is blocked that can ever fit: it takes a reservation, and backfill goes on."""
+        for job in jobs:
+            fit = self.try_place(job, NOW)
+            if fit is not None:
+                self.commit(job, fit)
+                continue
+            self.waiting.append(job)
+            reason = self.reason(job, NOW)
+            res = self.reserve(job) if self.policy.backfill else None
+            if res is not None:
+                self.reservation = res
+                reason += f"; next in line: held on {', '.join(res.nodes)} from {_when(res.start, self.now)}"
+            self.unschedulable[job.job_id] = reason
+            if res is not None:
+                return
+
+    def backfill(self, jobs: Iterator[PendingJob]) -> None:
+        """Later jobs start only if they cannot delay the reservation.
+
+        A job whose time limit ends before the reservation starts may use any free
+        capacity (NOW); any other job sees only what the reservation leaves (LONG).
+        """
+        res = self.reservation
+        if res is None:
+            return
+        for job in jobs:
+            limit = job.spec.time_limit_s
+            mode = NOW if limit is not None and self.now + limit <= res.start else LONG
+            fit = self.try_place(job, mode)
+            if fit is not None:
+                self.commit(job, fit)
+                continue
+            self.waiting.append(job)
+            if mode == LONG and self._fits_now(job):
+                self.unschedulable[job.job_id] = held_back(res.job_id, res.start, self.now, res.nodes, limit)
+            else:
+                self.unschedulable[job.job_id] = self.reason(job, mode)
+
+    def _fits_now(self, job: PendingJob) -> bool:
+        spec = job.spec
+        sid = self.ws.shape_id(TaskShape.of(spec))
+        if self._failed.get((sid, spec.topology, NOW), 1 << 30) <= spec.tasks:
+            return False
+        return capacity(self.ws, sid, NOW).fits(spec.tasks, spec.topology)
+
+    def _releases(self) -> list[tuple[float, str, Footprint]]:
+        out = list(self.ends)
+        for r in self.snap.running:
+            out.append((r.expected_end(self.now), r.job_id, self.ws.footprint(r)))
+        out.sort(key=lambda e: (e[0], e[1]))
+        return out
+
+    def reserve(self, job: PendingJob) -> Reservation | None:
+        """Where and when the blocked job will fit if running jobs end on their time limits.
+
+        1. Skip it if it can never fit (it would hold capacity for nothing).
+        2. Find the fewest earliest-ending jobs whose end lets it fit (binary search:
+           capacity grows with every release).
+        3. Place it there in simulation; what is left on its nodes is the slack
+           that jobs outlasting the reservation may still use. Undo everything.
+        """
+        spec = job.spec
+        ws = self.ws
+        sid = ws.shape_id(TaskShape.of(spec))
+        if not capacity(self.empty, sid).fits(spec.tasks, spec.topology):
+            return None
+        releases = self._releases()
+
+        def fits_after(k: int) -> bool:
+            undo = [u for _, _, fp in releases[:k] for u in ws.give(fp)]
+            ok = capacity(ws, sid).fits(spec.tasks, spec.topology)
+            ws.undo(undo)
+            return ok
+
+        lo, hi = 1, len(releases)
+        if hi == 0 or not fits_after(hi):
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits_after(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        undo = [u for _, _, fp in releases[:lo] for u in ws.give(fp)]
+        fit = place_gang(ws, sid, spec.tasks, spec.topology, NOW)
+        slack = {}
+        if fit is not None:
+            for idx, _ in fit.tasks:
+                n = ws.nodes[idx]
+                slack[idx] = (list(n.free), n.cpu, n.mem, list(n.mig))
+            ws.undo(fit.undo)
+        ws.undo(undo)
+        if fit is None:
+            return None
+        ws.hold(slack)
+        names = tuple(sorted({ws.nodes[i].node_id for i in slack}, key=lambda n: ws.nodes[ws.index_of[n]].prio))
+        return Reservation(job.job_id, releases[lo - 1][0], names)
+
+    def preempt(self) -> None:
+        """Waiting jobs, in order, may evict strictly lower-priority running gangs (preemptible ones only)."""
+        if not self.policy.preempt:
+            return
+        search = VictimSearch(self.ws, self.now)
+        tries = 0
+        for job in self.waiting:
+            rank = job.priority_rank
+            pool = [
+                r for r in self.snap.running
+                if not r.preempting and r.job_id not in self.evicted and r.priority_rank < rank
+                and r.priority_rank < self.policy.preemptible_below
+                and (self.policy.cross_queue_preemption or r.queue == job.queue)
+            ]
+            if not pool:
+                continue
+            if tries >= self.policy.max_preemptors:
+                break
+            tries += 1
+            victims = search.cheapest(job, pool)
+            if victims is None:
+                continue
+            for v in victims:
+                self.evicted.add(v.job_id)
+                self.preemptions.append(
+                    Preemption(v.job_id, f"preempted by {job.job_id} ({job.spec.priority} over {v.spec.priority})",
+                               self.policy.grace_s, for_job=job.job_id)
+                )
+            names = ", ".join(v.job_id for v in victims)
+            self.unschedulable[job.job_id] = f"waiting for preemption of {names} (grace {self.policy.grace_s} s)"
+
+    def reclaim(self, requests: Sequence[ReclaimRequest]) -> None:
+        """Free GPUs for queues below their entitlement by evicting other queues' gangs.
+
+        Victims come from queues above their entitlement (any other queue without
+        entitlements), lowest priority and cheapest first, never pushing a queue
+        below its entitlement.
+        """
+        ent = self.snap.entitlements
+        for req in requests:
+            need = req.gpus * MILLI
+            pool = [
+                r for r in self.snap.running
+                if not r.preempting and r.job_id not in self.evicted and r.queue != req.queue
+                and (ent is None or self.allocated.get(r.queue, 0.0) > ent.get(r.queue, 0.0))
+            ]
+            pool.sort(key=lambda r: (r.priority_rank, lost_gpu_seconds(r, self.now), r.job_id))
+            freed = 0.0
+            for v in pool:
+                if freed >= need:
+                    break
+                gpus = v.gpu_milli / MILLI
+                if ent is not None and self.allocated.get(v.queue, 0.0) - gpus < ent.get(v.queue, 0.0):
+                    continue
+                self.evicted.add(v.job_id)
+                self.allocated[v.queue] = self.allocated.get(v.queue, 0.0) - gpus
+                freed += v.gpu_milli
+                self.preemptions.append(
+                    Preemption(v.job_id, f"reclaimed for queue {req.queue} (queue {v.queue} is over its share)",
+                               self.policy.grace_s, for_queue=req.queue)
+                )
+
+    def plan(self) -> Plan:
+        return Plan(self.policy.name, self.placements, tuple(self.preemptions), self.unschedulable, self.reservation)
+
+
+def _when(start: float, now: float) -> str:
+    return "when jobs without a time limit end" if math.isinf(start) else f"{max(0, int(start - now))} s from now"
+
+
+def run_cycle(
+    snapshot: Snapshot, policy: Policy | None = None, now: float = 0.0, reclaims: Sequence[ReclaimRequest] = ()
+) -> Plan:
+    """Decide one cycle. Actions, in order:
+
+    1. allocate: jobs in queue/priority/age order; gangs all or nothing.
+    2. backfill: after the first blocked job takes a reservation, later jobs start
+       only if they cannot delay it.
+    3. preempt: waiting jobs evict cheaper, strictly lower-priority gangs; they are
+       placed in a later cycle, once the victims are gone.
+    4. reclaim: evict other queues' gangs for queues owed GPUs (fed by quota).
+    """
+    cycle = Cycle(snapshot, policy or Policy(), now)
+    jobs = cycle.order()
+    cycle.allocate(jobs)
+    cycle.backfill(jobs)
+    cycle.preempt()
+    cycle.reclaim(reclaims)
+    return cycle.plan()

@@ -1,0 +1,144 @@
+"""Why a job waits, in words a person can act on."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from services.scheduler.gang import capacity, widest
+from services.scheduler.snapshot import NodeSnap
+from services.scheduler.workstate import NOW, UNBOUNDED, NodeClass, TaskShape, WorkState
+from shared.model import MILLI
+
+
+def describe_task(s: TaskShape) -> str:
+    if s.mig:
+        what = f"a MIG {s.mig} slice"
+    elif s.gpus == 0:
+        what = "no GPU"
+    elif s.milli < MILLI:
+        what = f"{s.milli / MILLI:g} of a GPU"
+    else:
+        what = f"{s.gpus} GPU{'s' if s.gpus > 1 else ''}"
+    if s.models:
+        what += f" of model {' or '.join(s.models)}"
+    if s.min_memory_mib:
+        what += f" with at least {s.min_memory_mib} MiB"
+    if s.min_cc:
+        what += f" with compute capability {s.min_cc[0]}.{s.min_cc[1]} or newer"
+    if s.one_domain and s.gpus > 1 and s.milli == MILLI:
+        what += " in one NVLink domain"
+    if s.selector:
+        what += " on nodes labelled " + ", ".join(f"{k}={v}" for k, v in s.selector)
+    return what
+
+
+def describe(s: TaskShape, tasks: int, topology: str) -> str:
+    level = widest(topology)
+    if tasks == 1:
+        return describe_task(s)
+    within = "" if level == "any" else f" within one {level}"
+    return f"{tasks} tasks × {describe_task(s)}{within}"
+
+
+def _block(ws: WorkState, cls: NodeClass, sid: int) -> int:
+    """The largest free piece of the shape's kind on a class: GPUs (in one domain if required), milli, or slices."""
+    s = ws.shapes[sid]
+    ok = ws.eligible(cls.type, sid)
+    if ok is None or s.gpus == 0:
+        return 0
+    if s.mig or s.milli < MILLI:
+        return ws.gpu_cap(cls, sid) if s.mig else max((r for r, e in zip(cls.free, ok) if e), default=0)
+    per: dict[int, int] = {}
+    for r, e, d in zip(cls.free, ok, cls.type.domains):
+        if e and r >= MILLI:
+            key = d if s.one_domain else 0
+            per[key] = per.get(key, 0) + 1
+    return max(per.values(), default=0)
+
+
+def _classes(ws: WorkState, mode: str) -> list[tuple[NodeClass, int]]:
+    out = [(c, ws.first_member(c)) for c in ws.nonempty.values()]
+    out += [(ws.effective_class(i, mode), i) for i in ws.reserved]
+    return out
+
+
+def _largest(ws: WorkState, sid: int, mode: str) -> str:
+    s = ws.shapes[sid]
+    best = (0, 0, "")
+    for cls, idx in _classes(ws, mode):
+        node = ws.nodes[idx]
+        b = _block(ws, cls, sid)
+        if (b, -node.prio) > best[:2]:
+            best = (b, -node.prio, node.node_id)
+    n, _, where = best
+    if s.mig:
+        return f"no {s.mig} slice is free" if n == 0 else f"{n} free {s.mig} slices on {where}"
+    if s.milli < MILLI:
+        return "no GPU of that kind has room" if n == 0 else f"largest free share is {n / MILLI:g} of a GPU on {where}"
+    if n == 0:
+        return "no GPU of that kind is free"
+    return f"largest free block is {n} on {where}"
+
+
+def _cpu_mem(ws: WorkState, sid: int, mode: str, need_tasks: int) -> str:
+    """If GPUs would do somewhere but CPU or memory would not, say which and how much."""
+    s = ws.shapes[sid]
+    for cls, idx in _classes(ws, mode):
+        if ws.gpu_cap(cls, sid) >= need_tasks and ws.cap(cls, sid) < need_tasks:
+            short = []
+            if cls.cpu < s.cpu * need_tasks:
+                short.append(f"{cls.cpu} mCPU free (needs {s.cpu * need_tasks})")
+            if cls.mem < s.mem * need_tasks:
+                short.append(f"{cls.mem} MiB free (needs {s.mem * need_tasks})")
+            return f"; {ws.nodes[idx].node_id} has the GPUs but only " + " and ".join(short)
+    return ""
+
+
+def _no_match(ws: WorkState, sid: int, nodes: Sequence[NodeSnap]) -> str:
+    s = ws.shapes[sid]
+    models = sorted({g.model for n in nodes if n.schedulable for g in n.gpus})
+    parked = [n.node_id for n in nodes if not n.schedulable and all(n.labels.get(k) == v for k, v in s.selector)
+              and (not s.models or any(g.model in s.models for g in n.gpus))]
+    hint = f"schedulable GPU models: {', '.join(models) or 'none'}"
+    if parked:
+        hint += f"; matching but unavailable: {', '.join(parked[:5])}"
+    return f"no schedulable node offers it ({hint})"
+
+
+def explain(
+    ws: WorkState, empty: WorkState, sid: int, tasks: int, topology: str, nodes: Sequence[NodeSnap], mode: str = NOW
+) -> str:
+    """Why the gang does not fit: never (and what the cluster lacks) or not now (and the best on offer)."""
+    s = ws.shapes[sid]
+    level = widest(topology)
+    what = f"needs {describe(s, tasks, topology)}"
+    per_node = tasks if level == "node" else 1
+    ever = capacity(empty, sid)
+    if not ever.fits(tasks, topology):
+        if ever.total == 0:
+            if all(empty.eligible(c.type, sid) is None for c in empty.nonempty.values()):
+                return f"{what}; {_no_match(empty, sid, nodes)}"
+            if not any(empty.gpu_cap(c, sid) for c in empty.nonempty.values()):
+                return f"{what}; it can never fit: {_largest(empty, sid, NOW)} even when idle"
+            return f"{what}; no node has the CPU and memory for a task, even when idle" + _cpu_mem(empty, sid, NOW, 1)
+        scope = "the whole cluster" if level == "any" else f"one {level}"
+        return f"{what}; the cluster can never hold it: at most {ever.at(level)} such tasks fit in {scope}, even empty"
+    now = capacity(ws, sid, mode)
+    if tasks == 1 or level == "node":
+        return f"{what}; {_largest(ws, sid, mode)}" + _cpu_mem(ws, sid, mode, per_node)
+    fit = now.at(level)
+    where = {"rack": f" (rack {now.rack_site[1] or '-'})", "zone": f" (zone {now.zone_name or '-'})"}.get(level, "")
+    scope = f"one {level}" if level != "any" else "the cluster"
+    tail = "" if now.node >= UNBOUNDED else f"; at most {now.node} on one node ({now.node_id or 'none'})"
+    return f"{what}; only {min(fit, UNBOUNDED)} of {tasks} tasks fit in {scope} now{where}{tail}" + _cpu_mem(ws, sid, mode, 1)
+
+
+def held_back(job_id: str, start: float, now: float, nodes: Sequence[str], limit: int | None) -> str:
+    """A job that fits, but only on what the reserved job needs, and may still run when it starts."""
+    where = ", ".join(nodes[:4]) + ("…" if len(nodes) > 4 else "")
+    if math.isinf(start):
+        return f"the free capacity it fits is held for {job_id} on {where}, which waits for jobs without a time limit"
+    wait = max(0, int(start - now))
+    ask = "a time limit" if limit is None else f"a time limit under {wait} s (it has {limit} s)"
+    return f"the free capacity it fits is held for {job_id} on {where} from {wait} s from now; with {ask} it could backfill"

@@ -1,0 +1,80 @@
+"""The JetStream event log against a real nats-server: dedupe, optimistic concurrency, replay."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.workload import workload
+from shared import events as ev
+from shared.eventlog import STREAM, ConcurrencyConflict, EventLog, Undecodable
+from shared.events import Envelope
+
+
+async def test_the_same_event_appended_twice_is_stored_once(eventlog: EventLog):
+    env = Envelope(ev.JobQueued(job_id="j-1"))
+    first = await eventlog.append(env)
+    again = await eventlog.append(env)
+    assert first == again == 1
+    assert await eventlog.last_seq() == 1
+    assert [r.id for r in await eventlog.read()] == [env.id]
+
+
+async def test_a_batched_append_with_a_repeated_id_stores_it_once(eventlog: EventLog):
+    envs = list(workload(50))
+    await eventlog.append_many(envs + envs[:10])
+    assert await eventlog.last_seq() == len(envs)
+
+
+async def test_two_writers_with_the_same_expected_sequence_only_one_wins(nats_url: str):
+    a, b = await EventLog.connect(nats_url), await EventLog.connect(nats_url)
+    try:
+        seq = await a.append(Envelope(ev.JobQueued(job_id="j-9")))
+        results = await asyncio.gather(
+            a.append(Envelope(ev.JobCancelled(job_id="j-9", reason="a")), expected_last_subject_seq=seq),
+            b.append(Envelope(ev.JobCancelled(job_id="j-9", reason="b")), expected_last_subject_seq=seq),
+            return_exceptions=True,
+        )
+        assert sum(isinstance(r, int) for r in results) == 1
+        assert sum(isinstance(r, ConcurrencyConflict) for r in results) == 1
+        assert await a.subject_last_seq("gpuorch.events.job.j-9") == 2
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_replay_reads_until_caught_up_and_filters_by_subject(eventlog: EventLog):
+    envs = list(workload(300))
+    await eventlog.append_many(envs)
+    seqs = [r.seq async for r in eventlog.replay(1)]
+    assert seqs == list(range(1, len(envs) + 1))
+    tail = [r.seq async for r in eventlog.replay(250)]
+    assert tail == list(range(250, len(envs) + 1))
+    job = [r async for r in eventlog.replay(1, ["gpuorch.events.job.j00000003"])]
+    assert [r.data.TYPE for r in job] == ["job.submitted", "job.queued", "job.placed", "job.task_started", "job.task_exited", "job.succeeded"]
+    assert [r async for r in eventlog.replay(len(envs) + 1)] == []
+
+
+async def test_the_stream_is_append_only(eventlog: EventLog):
+    await eventlog.append(Envelope(ev.JobQueued(job_id="j")))
+    info = await eventlog.js.stream_info(STREAM)
+    assert info.config.deny_delete and info.config.deny_purge
+    with pytest.raises(Exception):
+        await eventlog.js.purge_stream(STREAM)
+    with pytest.raises(Exception):
+        await eventlog.js.delete_msg(STREAM, 1)
+    assert await eventlog.last_seq() == 1
+
+
+async def test_undecodable_messages_come_back_as_such_not_as_errors(eventlog: EventLog):
+    await eventlog.js.publish("gpuorch.events.job.x", b"{not json")
+    recs = [r async for r in eventlog.replay(1)]
+    assert isinstance(recs[0], Undecodable) and not recs[0].unknown_type
+
+
+async def test_snapshots_round_trip_large_states(eventlog: EventLog):
+    blob = b"x" * 5_000_000
+    await eventlog.save_snapshot("scheduler", 1234, blob)
+    assert await eventlog.load_snapshot("scheduler") == (1234, blob)
+    assert await eventlog.load_snapshot("nobody") is None

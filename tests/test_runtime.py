@@ -1,0 +1,145 @@
+"""The service runtime against a real nats-server: fold, snapshot, skip, dead-letter, reconnect."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from bench.workload import workload
+from services.scheduler.projection import SchedulerProjection
+from shared import events as ev
+from shared.eventlog import EventLog, Undecodable
+from shared.events import Envelope
+from shared.natsd import NatsServer
+from shared.runtime import Service, build_app
+from tests.support import eventually, running
+
+
+def scheduler(snapshot_every: int = 10_000, **kw) -> Service:
+    return Service("scheduler", SchedulerProjection(), snapshot_every=snapshot_every, **kw)
+
+
+async def full_replay_digest(log: EventLog) -> str:
+    proj = SchedulerProjection()
+    async for rec in log.replay(1):
+        proj.skip(rec.seq) if isinstance(rec, Undecodable) else proj.apply(rec)
+    return proj.digest()
+
+
+async def test_live_projection_equals_full_replay_and_snapshot_plus_tail(eventlog: EventLog):
+    envs = list(workload(600))
+    svc = scheduler(snapshot_every=100)
+    async with running(svc, eventlog):
+        await eventlog.append_many(envs[:400])
+        await eventlog.append_many(envs[400:])
+        await eventlog.append(envs[5])  # a retried append: stored once, folded once
+        await eventlog.append_many(envs[10:20])  # folded once even if a consumer sees them again
+        await eventlog.append(Envelope(ev.JobQueued(job_id="j-late")))
+        last = await eventlog.last_seq()
+        await eventlog.append(Envelope(ev.JobQueued(job_id="j-late2")))
+        await eventlog.append(Envelope(ev.JobQueued(job_id="j-late3")))
+        last = await eventlog.last_seq()
+        await eventlog_wait(svc, last)
+        live = svc.projection.digest()
+        assert svc.projection.invalid_count == 3  # only the three queued-without-submit events
+    assert live == await full_replay_digest(eventlog)
+
+    snap_seq, _ = await eventlog.load_snapshot("scheduler")
+    assert 0 < snap_seq <= last
+    restored = scheduler()
+    async with running(restored, eventlog):
+        assert restored.projection.seq == last
+        assert restored.projection.digest() == live
+
+
+async def eventlog_wait(svc: Service, seq: int) -> None:
+    await eventually(lambda: svc.projection.seq >= seq, what=f"{svc.name} to fold up to seq {seq}")
+
+
+async def test_snapshot_plus_tail_resumes_from_an_older_snapshot(eventlog: EventLog):
+    envs = list(workload(500))
+    first = scheduler()
+    async with running(first, eventlog):
+        await eventlog.append_many(envs[:200])
+        await eventlog_wait(first, 200)
+    assert (await eventlog.load_snapshot("scheduler"))[0] == 200  # saved on stop
+    await eventlog.append_many(envs[200:])
+    second = scheduler()
+    async with running(second, eventlog):
+        assert second.projection.seq == len(envs)
+        assert second.projection.digest() == await full_replay_digest(eventlog)
+
+
+async def test_unknown_and_malformed_events_are_skipped_counted_and_logged(eventlog: EventLog, caplog):
+    svc = scheduler()
+    async with running(svc, eventlog):
+        await eventlog.js.publish("gpuorch.events.job.j-x", json.dumps(
+            {"specversion": "1.0", "id": "u1", "source": "/future", "type": "io.gpuorch.job.teleported.v1",
+             "time": "2026-01-01T00:00:00Z", "data": {}}).encode())
+        await eventlog.js.publish("gpuorch.events.job.j-y", b"\x00garbage")
+        await eventlog.append(Envelope(ev.JobSubmitted(job_id="j-ok", spec={"name": "ok"})))
+        await eventually(lambda: "j-ok" in svc.projection.jobs, what="the service to keep going")
+        assert svc.projection.seq == 3
+        metrics = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app([svc])), base_url="http://t")
+        text = (await metrics.get("/metrics")).text
+        assert 'gpuorch_events_skipped_total{reason="unknown_type",service="scheduler"} 1.0' in text
+        assert 'gpuorch_events_skipped_total{reason="malformed",service="scheduler"} 1.0' in text
+    assert any("skipped seq=1" in r.getMessage() and "unknown event type" in r.getMessage() for r in caplog.records)
+    assert any("skipped seq=2" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_event_whose_reaction_keeps_failing_is_dead_lettered_with_the_reason(eventlog: EventLog):
+    seen: list[str] = []
+
+    async def react(env: Envelope) -> None:
+        if getattr(env.data, "job_id", "") == "j-poison":
+            seen.append(env.id)
+            raise ValueError("cannot handle j-poison")
+
+    svc = scheduler(reaction=react, max_deliver=3)
+    async with running(svc, eventlog):
+        await eventlog.append(Envelope(ev.JobSubmitted(job_id="j-poison", spec={"name": "p"})))
+        await eventlog.append(Envelope(ev.JobSubmitted(job_id="j-fine", spec={"name": "f"})))
+        await eventually(lambda: len(seen) == 3, what="three delivery attempts")
+        dead: list[dict] = []
+
+        async def dlq_has_one() -> bool:
+            dead[:] = await eventlog.dead_letters("scheduler")
+            return len(dead) == 1
+
+        await eventually_async(dlq_has_one)
+        assert "j-fine" in svc.projection.jobs
+    assert dead[0]["subject"] == "gpuorch.dlq.scheduler.job.j-poison"
+    assert dead[0]["headers"]["Gpuorch-Dlq-Reason"] == "ValueError: cannot handle j-poison"
+    assert dead[0]["headers"]["Gpuorch-Dlq-Seq"] == "1"
+    assert json.loads(dead[0]["body"])["data"]["job_id"] == "j-poison"
+    assert svc.projection.applied == 2  # folded once, despite three deliveries
+
+
+async def eventually_async(check, timeout: float = 10.0) -> None:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.1)
+
+
+async def test_services_reconnect_and_catch_up_when_nats_server_restarts(nats_server: NatsServer):
+    log = await EventLog.connect(nats_server.url)
+    writer = await EventLog.connect(nats_server.url)
+    envs = list(workload(300))
+    try:
+        svc = scheduler()
+        async with running(svc, log):
+            await writer.append_many(envs[:100])
+            await eventlog_wait(svc, 100)
+            nats_server.restart()  # same port, same store
+            await writer.append_many(envs[100:])  # acks lost in the reconnect are retried
+            await eventlog_wait(svc, len(envs))
+            assert svc.projection.digest() == await full_replay_digest(writer)
+    finally:
+        await log.close()
+        await writer.close()

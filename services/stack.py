@@ -27,7 +27,7 @@ import typer
 from shared.api_events import events_router
 from shared.eventlog import EventLog
 from shared.natsd import NatsServer, free_port, port_open
-from shared.runtime import Metrics, Service, build_app, run_process
+from shared.runtime import Metrics, Service, build_app, http_server, run_process, serve_until_signal
 from shared.settings import Settings
 from shared.telemetry import setup_logging, setup_tracing
 
@@ -80,20 +80,21 @@ def data_dir_lock(data_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def embedded_nats(settings: Settings) -> Iterator[str]:
-    """Yield the NATS URL: the configured one, or an embedded nats-server on the data dir."""
+def embedded_nats(settings: Settings) -> Iterator[NatsServer | None]:
+    """The embedded nats-server on the data dir, or None when a NATS URL is configured."""
     if settings.nats_url:
-        yield settings.nats_url
+        yield None
         return
     server = NatsServer(settings.data_dir / "nats", sync_always=settings.sync_always).start()
     try:
-        yield server.url
+        yield server
     finally:
         server.stop()
 
 
-def write_stack_file(settings: Settings, nats_url: str, split: bool) -> None:
-    info = {"pid": os.getpid(), "nats_url": nats_url, "api": f"http://{settings.host}:{settings.port}", "split": split}
+def write_stack_file(settings: Settings, nats_url: str, split: bool, nats_pid: int | None) -> None:
+    info = {"pid": os.getpid(), "nats_url": nats_url, "nats_pid": nats_pid,
+            "api": f"http://{settings.host}:{settings.port}", "split": split}
     (settings.data_dir / "stack.json").write_text(json.dumps(info, indent=2))
 
 
@@ -117,12 +118,14 @@ def up(settings: Settings, split: bool = False) -> None:
     setup_tracing("gpuorch")
     if port_open(settings.port, settings.host):
         raise SystemExit(f"error: port {settings.port} is in use; pick another with --port")
-    with data_dir_lock(settings.data_dir), embedded_nats(settings) as nats_url:
-        write_stack_file(settings, nats_url, split)
+    with data_dir_lock(settings.data_dir), embedded_nats(settings) as server:
+        nats_url = server.url if server else settings.nats_url or ""
+        write_stack_file(settings, nats_url, split, server.proc.pid if server and server.proc else None)
         if split:
             _run_split(settings, nats_url)
         else:
             asyncio.run(_serve_one_process(settings, nats_url, SERVICES))
+        log.info("event=stack_stopped data_dir=%s", settings.data_dir)
 
 
 # --- split mode ---------------------------------------------------------------------
@@ -147,9 +150,22 @@ def _run_split(settings: Settings, nats_url: str) -> None:
         json.dumps({n: {"port": ports[n], "pid": p.pid} for n, p in procs.items()}, indent=2)
     )
     try:
-        asyncio.run(_serve_gateway(settings, nats_url, ports))
+        asyncio.run(_serve_gateway(settings, nats_url, ports, procs))
     finally:
         stop_processes(procs.values())
+
+
+async def _supervise(settings: Settings, nats_url: str, ports: dict[str, int], procs: dict[str, subprocess.Popen]) -> None:
+    """Restart a service process that died (crash, OOM kill, SIGKILL): it rebuilds its state from the log."""
+    while True:
+        await asyncio.sleep(0.5)
+        for name, proc in list(procs.items()):
+            if proc.poll() is not None:
+                log.warning("event=service_died service=%s pid=%d code=%s action=restart", name, proc.pid, proc.returncode)
+                procs[name] = spawn_service(name, nats_url, ports[name], settings, settings.data_dir / "logs")
+                (settings.data_dir / "split.json").write_text(
+                    json.dumps({n: {"port": ports[n], "pid": p.pid} for n, p in procs.items()}, indent=2)
+                )
 
 
 def stop_processes(procs: Any, timeout: float = 10.0) -> None:
@@ -165,24 +181,31 @@ def stop_processes(procs: Any, timeout: float = 10.0) -> None:
             p.wait()
 
 
-async def _serve_gateway(settings: Settings, nats_url: str, ports: dict[str, int]) -> None:
+async def _serve_gateway(
+    settings: Settings, nats_url: str, ports: dict[str, int], procs: dict[str, subprocess.Popen]
+) -> None:
     import httpx
-    import uvicorn
     from fastapi import Request, Response
 
     evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-gateway")
     app = build_app([], [events_router(lambda: evlog)])
     client = httpx.AsyncClient(timeout=30)
 
-    @app.get("/v1/services", include_in_schema=False)
+    @app.get("/v1/services", tags=["ops"])
     async def services_status() -> list[dict[str, Any]]:
         out = []
         for name, port in ports.items():
             try:
                 out.extend((await client.get(f"http://{settings.host}:{port}/v1/services")).json())
-            except httpx.HTTPError as e:
+            except (httpx.HTTPError, ValueError) as e:
                 out.append({"service": name, "ready": False, "error": repr(e)})
         return out
+
+    @app.get("/readyz", tags=["ops"])
+    async def readyz(response: Response) -> dict[str, Any]:
+        status = {s["service"]: bool(s.get("ready")) for s in await services_status()}
+        response.status_code = 200 if all(status.values()) else 503
+        return {"ready": all(status.values()), "services": status}
 
     @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def forward(rest: str, request: Request) -> Response:
@@ -199,11 +222,13 @@ async def _serve_gateway(settings: Settings, nats_url: str, ports: dict[str, int
             return Response(json.dumps({"detail": f"service {name} unavailable: {e!r}"}), 503, media_type="application/json")
         return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
 
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="off"))
+    server = http_server(app, settings.host, settings.port)
     log.info("event=gateway_up api=http://%s:%d services=%s", settings.host, settings.port, ports)
+    supervisor = asyncio.create_task(_supervise(settings, nats_url, ports, procs))
     try:
-        await server.serve()
+        await serve_until_signal(server)
     finally:
+        supervisor.cancel()
         await client.aclose()
         await evlog.close()
 

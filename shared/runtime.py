@@ -12,11 +12,13 @@ that keeps raising is dead-lettered after ``max_deliver`` attempts, with the rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+import signal
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi import APIRouter, FastAPI, Response
 from nats.aio.msg import Msg
@@ -25,6 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from shared.eventlog import EventLog, Record, Undecodable
 from shared.events import REGISTRY, Envelope, Event
 from shared.telemetry import current_traceparent
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger("gpuorch.runtime")
 
@@ -273,17 +278,20 @@ def ops_router(services: list[Service]) -> APIRouter:
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @r.get("/readyz", tags=["ops"])
-    def readyz(response: Response) -> dict[str, Any]:
-        ready = all(s.ready.is_set() for s in services)
-        response.status_code = 200 if ready else 503
-        return {"ready": ready, "services": {s.name: s.ready.is_set() for s in services}}
-
     @r.get("/metrics", tags=["ops"])
     def metrics() -> Response:
         registries = {id(s.metrics.registry): s.metrics.registry for s in services}
         body = b"".join(generate_latest(reg) for reg in registries.values())
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    if not services:  # a gateway answers readiness for the processes behind it
+        return r
+
+    @r.get("/readyz", tags=["ops"])
+    def readyz(response: Response) -> dict[str, Any]:
+        ready = all(s.ready.is_set() for s in services)
+        response.status_code = 200 if ready else 503
+        return {"ready": ready, "services": {s.name: s.ready.is_set() for s in services}}
 
     @r.get("/v1/services", tags=["ops"])
     def service_status() -> list[dict[str, Any]]:
@@ -312,10 +320,7 @@ async def run_process(
     started: Callable[[], None] | None = None,
 ) -> None:
     """Serve the services' HTTP API on host:port and run them until SIGINT/SIGTERM."""
-    import uvicorn
-
-    app = build_app(services, list(extra_routers))
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    server = http_server(build_app(services, list(extra_routers)), host, port)
     tasks = [asyncio.create_task(s.run(log_), name=f"svc-{s.name}") for s in services]
 
     async def _watch() -> None:
@@ -329,9 +334,41 @@ async def run_process(
     if started is not None:
         started()
     try:
-        await server.serve()
+        await serve_until_signal(server)
     finally:
         for s in services:
             s.stop()
         await asyncio.gather(*tasks, return_exceptions=True)
         watcher.cancel()
+
+
+def http_server(app: FastAPI, host: str, port: int) -> "uvicorn.Server":
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn minus its own signal capture, which re-raises the signal after shutdown
+        (a SIGTERM would then kill the process before the services drain and snapshot)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+
+
+async def serve_until_signal(server: "uvicorn.Server") -> None:
+    """Serve until SIGINT or SIGTERM; a second signal forces the exit."""
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop)
+    try:
+        await server.serve()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -18,7 +18,8 @@ from services.scheduler.placement import POLICIES, NodeScorer
 from services.scheduler.preemption import VictimSearch, lost_gpu_seconds
 from services.scheduler.reasons import explain, held_back
 from services.scheduler.snapshot import PendingJob, Snapshot
-from services.scheduler.workstate import LONG, NOW, Footprint, TaskShape, WorkState
+from services.scheduler.shapes import TaskShape
+from services.scheduler.workstate import LONG, NOW, Footprint, WorkState
 from shared.events import GpuShare, TaskPlacement
 from shared.model import MILLI, PRIORITY_RANK
 
@@ -88,7 +89,7 @@ def typical_from_snapshot(snapshot: Snapshot) -> tuple[TypicalShape, ...]:
         s = TaskShape.of(job.spec)
         if s.mig:
             continue  # MIG slices are not whole-GPU capacity; FGD does not model them
-        key = (s.cpu, s.milli, s.gpus, s.models)
+        key = (s.cpu, s.milli, s.gpus, s.models if s.gpus else ())
         counts[key] = counts.get(key, 0) + job.spec.tasks
     return typical_shapes(counts)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from services.scheduler.workstate import NOW, Cand, Pick, Site, WorkState
+from services.scheduler.equivalence import Cand, Pick, Site
+from services.scheduler.workstate import NOW, WorkState
 from shared.model import MILLI
 
 LEVELS = ("node", "rack", "zone", "any")

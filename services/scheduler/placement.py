@@ -270,7 +270,19 @@ def choose_node(nodes: Sequence[NodeFree], pod: PodShape, scorer: NodeScorer) ->
        the smallest node priority.
     4. GPUs by the policy's GPU selection; whole GPUs: the first free by index.
     """
-    feasible = [i for i, n in enumerate(nodes) if scorer.feasible(n, pod)]
+    # Nodes in the same state get the same verdict and score: compute each once per call.
+    verdicts: dict[tuple, bool] = {}
+    scores: dict[tuple, object] = {}
+    keys = []
+    feasible = []
+    for i, n in enumerate(nodes):
+        key = (n.model, n.cpu, n.mem, tuple(n.free), tuple(sorted(n.tags.items())) if scorer.needs_tags else ())
+        ok = verdicts.get(key)
+        if ok is None:
+            ok = verdicts[key] = scorer.feasible(n, pod)
+        if ok:
+            feasible.append(i)
+            keys.append(key)
     if not feasible:
         return None
     if len(feasible) == 1:
@@ -278,7 +290,14 @@ def choose_node(nodes: Sequence[NodeFree], pod: PodShape, scorer: NodeScorer) ->
     elif scorer.policy == "random":
         best = feasible[scorer.rng.randrange(len(feasible))]
     else:
-        best = max(feasible, key=lambda i: (scorer.score(nodes[i], pod), -nodes[i].priority))
+        best, best_key = -1, None
+        for i, key in zip(feasible, keys):
+            sc = scores.get(key)
+            if sc is None:
+                sc = scores[key] = scorer.score(nodes[i], pod)
+            rank = (sc, -nodes[i].priority)
+            if best_key is None or rank > best_key:
+                best, best_key = i, rank
     gpus = scorer.select_gpus(nodes[best], pod)
     assert gpus is not None  # feasibility guarantees room
     return best, gpus

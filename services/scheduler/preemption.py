@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 from services.scheduler.gang import capacity, place_gang
 from services.scheduler.snapshot import PendingJob, RunningJob
-from services.scheduler.workstate import NOW, TaskShape, WorkState
+from services.scheduler.shapes import TaskShape
+from services.scheduler.workstate import NOW, WorkState
 from shared.model import MILLI
 
 SINGLE_VICTIM_PROBES = 64

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from services.scheduler.gang import capacity, widest
-from services.scheduler.snapshot import NodeSnap
-from services.scheduler.workstate import NOW, UNBOUNDED, NodeClass, TaskShape, WorkState
+from services.scheduler.snapshot import GpuSnap, NodeSnap
+from services.scheduler.equivalence import NodeClass
+from services.scheduler.shapes import TaskShape, parse_cc
+from services.scheduler.workstate import NOW, UNBOUNDED, WorkState
 from shared.model import MILLI
 
 
@@ -16,6 +18,9 @@ def describe_task(s: TaskShape) -> str:
         what = f"a MIG {s.mig} slice"
     elif s.gpus == 0:
         what = "no GPU"
+        if s.selector:
+            what += " on nodes labelled " + ", ".join(f"{k}={v}" for k, v in s.selector)
+        return what
     elif s.milli < MILLI:
         what = f"{s.milli / MILLI:g} of a GPU"
     else:
@@ -95,15 +100,41 @@ def _cpu_mem(ws: WorkState, sid: int, mode: str, need_tasks: int) -> str:
     return ""
 
 
-def _no_match(ws: WorkState, sid: int, nodes: Sequence[NodeSnap]) -> str:
-    s = ws.shapes[sid]
-    models = sorted({g.model for n in nodes if n.schedulable for g in n.gpus})
-    parked = [n.node_id for n in nodes if not n.schedulable and all(n.labels.get(k) == v for k, v in s.selector)
-              and (not s.models or any(g.model in s.models for g in n.gpus))]
-    hint = f"schedulable GPU models: {', '.join(models) or 'none'}"
-    if parked:
-        hint += f"; matching but unavailable: {', '.join(parked[:5])}"
-    return f"no schedulable node offers it ({hint})"
+def _gpu_filters(s: TaskShape) -> list[tuple[str, Callable[[GpuSnap], bool]]]:
+    filters: list[tuple[str, Callable[[GpuSnap], bool]]] = []
+    if s.gpus == 0:
+        return filters
+    if s.models:
+        filters.append((f"GPU model {' or '.join(s.models)}", lambda g: g.model in s.models))
+    if s.min_memory_mib:
+        filters.append((f"GPUs with at least {s.min_memory_mib} MiB", lambda g: g.memory_mib >= s.min_memory_mib))
+    if s.min_cc:
+        want = s.min_cc
+        filters.append((f"compute capability {want[0]}.{want[1]}", lambda g: (parse_cc(g.compute_capability) or (0, 0)) >= want))
+    if s.mig:
+        filters.append((f"MIG {s.mig} slices", lambda g: g.mig_enabled and any(x.profile == s.mig for x in g.mig_slices)))
+    elif s.gpus:
+        filters.append(("GPUs outside MIG mode", lambda g: not g.mig_enabled))
+    return filters
+
+
+def _no_match(s: TaskShape, nodes: Sequence[NodeSnap]) -> str:
+    """Name the first requirement that no schedulable node meets, and where a match sits idle."""
+    up = [n for n in nodes if n.schedulable]
+    labelled = [n for n in up if all(n.labels.get(k) == v for k, v in s.selector)]
+    if not labelled:
+        wanted = ", ".join(f"{k}={v}" for k, v in s.selector)
+        return f"no schedulable node is labelled {wanted}"
+    gpus = [g for n in labelled for g in n.gpus if g.healthy]
+    for what, keep in _gpu_filters(s):
+        left = [g for g in gpus if keep(g)]
+        if not left:
+            have = ", ".join(sorted({g.model for g in gpus})) or "none"
+            parked = [n.node_id for n in nodes if not n.schedulable and any(keep(g) for g in n.gpus)]
+            hint = f"; matching but unavailable: {', '.join(parked[:5])}" if parked else ""
+            return f"no schedulable node offers {what} (schedulable GPU models: {have}){hint}"
+        gpus = left
+    return "no schedulable node offers it"
 
 
 def explain(
@@ -118,7 +149,7 @@ def explain(
     if not ever.fits(tasks, topology):
         if ever.total == 0:
             if all(empty.eligible(c.type, sid) is None for c in empty.nonempty.values()):
-                return f"{what}; {_no_match(empty, sid, nodes)}"
+                return f"{what}; {_no_match(s, nodes)}"
             if not any(empty.gpu_cap(c, sid) for c in empty.nonempty.values()):
                 return f"{what}; it can never fit: {_largest(empty, sid, NOW)} even when idle"
             return f"{what}; no node has the CPU and memory for a task, even when idle" + _cpu_mem(empty, sid, NOW, 1)

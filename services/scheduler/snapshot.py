@@ -6,9 +6,15 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from shared.cluster import ACTIVE, ClusterProjection, NodeState
+from typing import TYPE_CHECKING
+
 from shared.events import TaskPlacement
 from shared.model import MILLI, PRIORITY_RANK, JobSpec
+
+if TYPE_CHECKING:  # shared.cluster pulls in the runtime (NATS, FastAPI); a pure core only reads its shape
+    from shared.cluster import ClusterProjection, NodeState
+
+HOLDING = frozenset({"placed", "running", "preempting"})  # = shared.cluster.ACTIVE
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +176,7 @@ def snapshot_from_cluster(
     for job in proj.jobs.values():
         if job.state == "queued":
             pending.append(PendingJob(job.job_id, job.spec, job.submitted_at, len(job.preemptions)))
-        elif job.state in ACTIVE:
+        elif job.state in HOLDING:
             running.append(
                 RunningJob(
                     job.job_id,

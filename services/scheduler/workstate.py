@@ -10,174 +10,18 @@ scans the classes that can hold it. Every mutation returns its undo.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
-from services.scheduler.placement import NodeFree, NodeScorer, PodShape, pick_whole
+from services.scheduler.equivalence import Cand, NodeClass, NodeType, Pick, WNode, node_priorities
+from services.scheduler.placement import NodeScorer, pick_whole
+from services.scheduler.shapes import ShapeBook, TaskShape, parse_cc
 from services.scheduler.snapshot import NodeSnap, RunningJob
 from shared.model import MILLI, JobSpec
 
 NOW, LONG = "now", "long"  # a job that ends before the reservation sees NOW; one that may not, sees LONG
 UNBOUNDED = 1 << 30
-Site = tuple[str, str]  # (zone, rack)
-Pick = tuple[tuple[int, int], ...]  # per GPU used: (gpu index, MIG slice bit or 0)
-
-
-def parse_cc(text: str | None) -> tuple[int, int] | None:
-    if not text:
-        return None
-    major, _, minor = text.partition(".")
-    try:
-        return int(major), int(minor or 0)
-    except ValueError:
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class TaskShape:
-    """What one task of a job needs, and where it may go."""
-
-    gpus: int = 0  # GPUs per task (one MIG slice counts as one)
-    milli: int = 0  # milli per GPU: 1000 whole, below 1000 shared, 0 for MIG or CPU-only
-    mig: str | None = None
-    cpu: int = 0
-    mem: int = 0
-    models: tuple[str, ...] = ()
-    min_memory_mib: int = 0
-    min_cc: tuple[int, int] | None = None
-    selector: tuple[tuple[str, str], ...] = ()
-    one_domain: bool = False  # topology nvlink: each task's GPUs inside one NVLink domain
-
-    @classmethod
-    def of(cls, spec: JobSpec) -> "TaskShape":
-        r, g = spec.resources, spec.gpu
-        if g.mig:
-            gpus, milli = 1, 0
-        elif r.gpu_milli >= MILLI:
-            gpus, milli = r.gpu_milli // MILLI, MILLI
-        elif r.gpu_milli > 0:
-            gpus, milli = 1, r.gpu_milli
-        else:
-            gpus, milli = 0, 0
-        return cls(
-            gpus=gpus,
-            milli=milli,
-            mig=g.mig,
-            cpu=r.cpu_milli,
-            mem=r.memory_mib,
-            models=tuple(g.models),
-            min_memory_mib=g.min_memory_mib,
-            min_cc=parse_cc(g.min_compute_capability),
-            selector=tuple(sorted(spec.node_selector.items())),
-            one_domain=spec.topology == "nvlink",
-        )
-
-    @property
-    def gpu_milli(self) -> int:
-        return MILLI if self.mig else self.gpus * self.milli
-
-    @property
-    def pod(self) -> PodShape:
-        """The shape the scorers see; a MIG task leaves whole-GPU state alone, so it scores as CPU-only."""
-        if self.mig:
-            return PodShape(self.cpu, self.mem)
-        return PodShape(self.cpu, self.mem, self.gpus, self.milli)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class NodeType:
-    """The static make-up of a node; nodes of one type differ only in what is free."""
-
-    id: int
-    models: tuple[str, ...]
-    memory: tuple[int, ...]
-    cc: tuple[tuple[int, int] | None, ...]
-    domains: tuple[int, ...]  # NVLink domain number per GPU; a GPU without one is alone
-    mig: tuple[tuple[str, ...] | None, ...]  # MIG slice profiles per GPU; None: not in MIG mode
-    labels: tuple[tuple[str, str], ...]
-    usable: tuple[bool, ...]
-
-    @property
-    def model(self) -> str:
-        for m, ok in zip(self.models, self.usable):
-            if ok:
-                return m
-        return self.models[0] if self.models else ""
-
-
-class NodeClass:
-    """Nodes in one free state. Capacity, score and GPU pick per task shape are memoised here."""
-
-    __slots__ = ("key", "type", "free", "cpu", "mem", "mig", "tags", "whole", "max_free", "members", "sites",
-                 "heap", "caps", "scores", "picks", "rep")
-
-    def __init__(self, key: tuple, type_: NodeType, free: tuple[int, ...], cpu: int, mem: int,
-                 mig: tuple[int, ...], tags: tuple[tuple[str, int], ...]) -> None:
-        self.key, self.type, self.free, self.cpu, self.mem, self.mig, self.tags = key, type_, free, cpu, mem, mig, tags
-        self.whole = sum(1 for r in free if r >= MILLI)
-        self.max_free = max(free, default=0)
-        self.members: dict[int, None] = {}
-        self.sites: dict[Site, dict[int, None]] = {}
-        self.heap: list[tuple[int, int]] = []
-        self.caps: dict[int, int] = {}
-        self.scores: dict[int, object] = {}
-        self.picks: dict[int, Pick | None] = {}
-        self.rep = NodeFree("", 0, type_.model, cpu, mem, list(free), dict(tags))
-
-
-class WNode:
-    __slots__ = ("idx", "node_id", "prio", "type", "site", "free", "cpu", "mem", "mig", "tags", "cls", "slack",
-                 "gpu_uuids", "slice_uuids")
-
-    def __init__(self, idx: int, node_id: str, type_: NodeType, site: Site, free: list[int], cpu: int, mem: int,
-                 mig: list[int], gpu_uuids: tuple[str, ...], slice_uuids: tuple[tuple[str, ...], ...]) -> None:
-        self.idx, self.node_id, self.type, self.site = idx, node_id, type_, site
-        self.prio = 0
-        self.free, self.cpu, self.mem, self.mig = free, cpu, mem, mig
-        self.tags: dict[str, int] = {}
-        self.cls: NodeClass | None = None
-        self.slack: tuple[list[int], int, int, list[int]] | None = None  # held for the reservation
-        self.gpu_uuids, self.slice_uuids = gpu_uuids, slice_uuids
-
-
-@dataclass(frozen=True, slots=True)
-class Cand:
-    """Somewhere a shape fits ``cap`` times: a class (all its members) or one reserved node."""
-
-    cls: NodeClass
-    cap: int
-    node: int = -1
-
-
-Undo = list[tuple]
 Footprint = tuple[tuple[int, tuple[tuple[int, int, int], ...], int, int, str | None], ...]
-
-
-def node_priorities(node_ids: Iterable[str], seed: int) -> dict[str, int]:
-    """A fixed pseudo-random node order (the simulator's permuted name prefix), stable as nodes come and go."""
-    def h(n: str) -> bytes:
-        return hashlib.blake2b(f"{seed}:{n}".encode(), digest_size=8).digest()
-
-    return {n: rank for rank, n in enumerate(sorted(node_ids, key=lambda n: (h(n), n)))}
-
-
-class ShapeBook:
-    """Task shapes by small integer id, shared by the working states of one cycle."""
-
-    def __init__(self) -> None:
-        self._ids: dict[TaskShape, int] = {}
-        self.shapes: list[TaskShape] = []
-        self.pods: list[PodShape] = []
-
-    def id(self, shape: TaskShape) -> int:
-        sid = self._ids.get(shape)
-        if sid is None:
-            sid = self._ids[shape] = len(self.shapes)
-            self.shapes.append(shape)
-            self.pods.append(shape.pod)
-        return sid
 
 
 class WorkState:

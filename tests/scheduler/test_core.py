@@ -201,6 +201,15 @@ def test_a_constraint_sends_the_job_to_the_only_node_that_meets_it(spec, expecte
     assert nodes_of(plan, "m") == {expected}
 
 
+def test_a_label_nobody_has_is_named() -> None:
+    c = cluster(node("n1").gpus(8).labels(pool="train"))
+    c.pending(job("m").gpus(1).selector(pool="serve").build(), "m")
+
+    plan = run_cycle(c.snapshot())
+
+    assert plan.unschedulable["m"] == "needs 1 GPU on nodes labelled pool=serve; no schedulable node is labelled pool=serve"
+
+
 def test_cordoned_draining_and_lost_nodes_and_sick_gpus_are_never_used() -> None:
     c = cluster(node("c").gpus(8), node("d").gpus(8), node("l").gpus(8), node("ok").gpus(2))
     c.cordon("c").drain("d").lose("l").sick_gpu("ok", 0)
@@ -221,8 +230,8 @@ def test_a_model_nobody_has_is_explained_with_what_there_is() -> None:
     plan = run_cycle(c.snapshot())
 
     assert plan.unschedulable["m"] == (
-        "needs 1 GPU of model H200; no schedulable node offers it "
-        "(schedulable GPU models: H100; matching but unavailable: n2)"
+        "needs 1 GPU of model H200; no schedulable node offers GPU model H200 "
+        "(schedulable GPU models: H100); matching but unavailable: n2"
     )
 
 

@@ -23,6 +23,8 @@ from nats.js import api
 from nats.js.errors import APIError, BadRequestError, KeyWrongLastSequenceError, NoStreamResponseError, NotFoundError
 from nats.js.kv import KeyValue
 
+from pydantic_core import from_json
+
 from shared.events import SUBJECT_PREFIX, Envelope, MalformedEvent, UnknownEventType, decode
 
 log = logging.getLogger("gpuorch.eventlog")
@@ -62,10 +64,25 @@ Handler = Callable[[Envelope], Awaitable[None]]
 Record = Envelope | Undecodable
 
 
+class _ConsumerLost(Exception):
+    """A temporary consumer vanished (server restart) or stopped answering."""
+
+
+def _ack_positions(reply: str) -> tuple[int, int]:
+    """(stream sequence, messages pending) from a JetStream ack subject, old or new format."""
+    tokens = reply.split(".")
+    if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        return int(tokens[5]), int(tokens[8])
+    return int(tokens[7]), int(tokens[10])  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>.<token>
+
+
 def _decode_msg(msg: Msg) -> Record:
-    seq = msg.metadata.sequence.stream
+    return _decode_body(msg.data, msg.metadata.sequence.stream)
+
+
+def _decode_body(body: bytes, seq: int) -> Record:
     try:
-        return decode(msg.data, seq)
+        return decode(body, seq)
     except UnknownEventType as e:
         return Undecodable(seq, f"unknown event type {e}", unknown_type=True)
     except MalformedEvent as e:
@@ -190,38 +207,62 @@ class EventLog:
             await asyncio.sleep(0.1)
 
     async def append_many(self, envs: Iterable[Envelope], timeout: float = 60) -> list[int]:
-        """Store many events with pipelined publishes (async acks); return their sequences in order.
+        """Store many events with pipelined publishes; return their sequences in order.
 
-        Publishes whose acknowledgement is lost are sent again (same ids, so stored once).
+        Every publish carries its own reply subject under one inbox, and one raw
+        subscription collects the acknowledgements (nats-py's publish_async costs a
+        future and a semaphore round per message). Publishes whose acknowledgement is
+        lost are sent again: same ids, so stored once.
         """
         envs = list(envs)
         seqs: list[int] = [0] * len(envs)
-        todo = list(range(len(envs)))
+        errors: dict[int, APIError] = {}
+        prefix = self.nc.new_inbox()
+        outstanding = 0
+        all_acked = asyncio.Event()
+
+        async def on_ack(msg: Msg) -> None:
+            nonlocal outstanding
+            i = int(msg.subject.rsplit(".", 1)[1])
+            if seqs[i] or i in errors:
+                return
+            resp = from_json(msg.data) if msg.data else {}
+            if "error" in resp:
+                errors[i] = APIError.from_error(resp["error"])
+            elif "seq" in resp:
+                seqs[i] = resp["seq"]
+            else:
+                return  # no responders: left for the retry
+            outstanding -= 1
+            if outstanding <= 0:
+                all_acked.set()
+
+        sub = await self.nc.subscribe(f"{prefix}.*", cb=on_ack)
         deadline = asyncio.get_running_loop().time() + timeout
-        while todo:
-            futures: list[tuple[int, asyncio.Future]] = []
-            try:
-                for i in todo:
-                    env = envs[i]
-                    futures.append((i, await self.js.publish_async(env.data.nats_subject, env.encode(), headers=env.headers())))
-            except RETRYABLE:
-                pass
-            if futures:
-                await asyncio.wait([f for _, f in futures], timeout=5)
-            retry = set(todo) - {i for i, _ in futures}
-            for i, fut in futures:
-                if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    seqs[i] = fut.result().seq
-                    continue
-                if fut.done() and not fut.cancelled() and isinstance(fut.exception(), APIError) and fut.exception().code != 503:
-                    raise fut.exception()
-                fut.cancel()
-                retry.add(i)
-            todo = sorted(retry)
-            if todo and asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"append_many: {len(todo)} events unacknowledged after {timeout}s")
-            if todo:
-                await asyncio.sleep(0.1)
+        try:
+            todo = list(range(len(envs)))
+            while todo:
+                outstanding = len(todo)
+                all_acked.clear()
+                try:
+                    for i in todo:
+                        env = envs[i]
+                        await self.nc.publish(env.data.nats_subject, env.encode(), reply=f"{prefix}.{i}", headers=env.headers())
+                    await self.nc.flush(timeout=5)
+                    await asyncio.wait_for(all_acked.wait(), 5)
+                except RETRYABLE:
+                    pass
+                fatal = [e for e in errors.values() if e.code != 503]
+                if fatal:
+                    raise fatal[0]
+                todo = [i for i in range(len(envs)) if not seqs[i]]
+                errors.clear()
+                if todo and asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"append_many: {len(todo)} events unacknowledged after {timeout}s")
+                if todo:
+                    await asyncio.sleep(0.1)
+        finally:
+            await sub.unsubscribe()
         return seqs
 
     async def subject_last_seq(self, subject: str) -> int:
@@ -235,37 +276,84 @@ class EventLog:
     # --- read ----------------------------------------------------------------------
 
     async def replay(
-        self, from_seq: int = 1, subjects: list[str] | None = None, batch: int = 1000
+        self, from_seq: int = 1, subjects: list[str] | None = None, batch: int = 5000
     ) -> AsyncIterator[Record]:
-        """Every stored event from ``from_seq`` until caught up with the log as it was when called."""
+        """Every stored event from ``from_seq`` until caught up with the log as it was when called.
+
+        The hot path of every restart. It pulls batches from a temporary consumer into
+        one raw subscription: nats-py's fetch() makes a task and a timer per message,
+        which caps it near 15k msg/s here; this runs at twice that and more.
+        """
+        next_seq = max(1, from_seq)
+        while True:
+            name, pending = await self._temporary_consumer(next_seq, subjects)
+            if pending == 0:
+                await self._delete_consumer(name)
+                return
+            try:
+                async for rec in self._pull_all(name, pending, batch):
+                    next_seq = rec.seq + 1
+                    yield rec
+                return
+            except _ConsumerLost:
+                log.info("replay consumer lost at seq=%d; recreating", next_seq)
+            finally:
+                await self._delete_consumer(name)
+
+    async def _temporary_consumer(self, start: int, subjects: list[str] | None) -> tuple[str, int]:
         config = api.ConsumerConfig(
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=max(1, from_seq),
+            opt_start_seq=start,
             ack_policy=api.AckPolicy.NONE,
             inactive_threshold=60,
             mem_storage=True,
             max_ack_pending=-1,
-            filter_subjects=subjects if subjects and len(subjects) > 1 else None,
+            num_replicas=1,
         )
-        sub = await self.js.pull_subscribe(
-            (subjects[0] if subjects and len(subjects) == 1 else f"{SUBJECT_PREFIX}.>"), stream=STREAM, config=config
-        )
+        if subjects and len(subjects) > 1:
+            config.filter_subjects = subjects
+        else:
+            config.filter_subject = subjects[0] if subjects else f"{SUBJECT_PREFIX}.>"
+        info = await self.js._jsm.add_consumer(STREAM, config=config)
+        return info.name, info.num_pending
+
+    async def _delete_consumer(self, name: str) -> None:
         try:
-            pending = (await sub.consumer_info()).num_pending
+            await self.js.delete_consumer(STREAM, name)
+        except Exception:  # noqa: BLE001 - it expires by itself after inactive_threshold
+            pass
+
+    async def _pull_all(self, consumer: str, pending: int, batch: int) -> AsyncIterator[Record]:
+        inbox = self.nc.new_inbox()
+        got: list[Msg] = []
+        arrived = asyncio.Event()
+        want = 0
+
+        async def collect(msg: Msg) -> None:
+            got.append(msg)
+            if len(got) >= want or not msg.reply:  # a status message (timeout, no messages) ends a round
+                arrived.set()
+
+        sub = await self.nc.subscribe(inbox, cb=collect)
+        try:
             while pending > 0:
+                want = min(batch, pending)
+                got.clear()
+                arrived.clear()
+                request = json.dumps({"batch": want, "expires": 4_000_000_000}).encode()
+                await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{consumer}", request, reply=inbox)
                 try:
-                    msgs = await sub.fetch(min(batch, pending), timeout=5)
+                    await asyncio.wait_for(arrived.wait(), 5)
                 except asyncio.TimeoutError:
-                    continue
-                for msg in msgs:
-                    yield _decode_msg(msg)
-                pending = msgs[-1].metadata.num_pending if msgs else pending
+                    pass
+                data = [m for m in got if m.reply]
+                if not data:
+                    raise _ConsumerLost(consumer)
+                for msg in data:
+                    seq, pending = _ack_positions(msg.reply)
+                    yield _decode_body(msg.data, seq)
         finally:
-            try:
-                await sub.unsubscribe()
-                await self.js.delete_consumer(STREAM, sub._consumer)  # ephemeral: do not wait for inactivity
-            except Exception:  # noqa: BLE001 - cleanup of a temporary consumer is best effort
-                pass
+            await sub.unsubscribe()
 
     async def follow(self, from_seq: int | None = None, subject: str = f"{SUBJECT_PREFIX}.>") -> AsyncIterator[Record | None]:
         """Every event from ``from_seq`` (default: only new ones) as it is stored, forever (an ordered consumer).

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import from_json, to_json
 
 from shared.model import JobSpec, NodeInfo, QueueSpec
 
@@ -368,7 +369,7 @@ class Envelope:
     def timestamp(self) -> float:
         return self.time.timestamp()
 
-    def to_cloudevent(self) -> dict[str, Any]:
+    def _attributes(self) -> dict[str, Any]:
         ce: dict[str, Any] = {
             "specversion": "1.0",
             "id": self.id,
@@ -377,7 +378,6 @@ class Envelope:
             "subject": self.subject,
             "time": self.time.isoformat().replace("+00:00", "Z"),
             "datacontenttype": "application/json",
-            "data": self.data.model_dump(mode="json"),
         }
         if self.epoch is not None:
             ce["gpuorchepoch"] = self.epoch
@@ -385,8 +385,12 @@ class Envelope:
             ce["traceparent"] = self.traceparent
         return ce
 
+    def to_cloudevent(self) -> dict[str, Any]:
+        return {**self._attributes(), "data": self.data.model_dump(mode="json")}
+
     def encode(self) -> bytes:
-        return json.dumps(self.to_cloudevent(), separators=(",", ":")).encode()
+        """The structured-mode body: the attributes, then the data serialized by pydantic (the append hot path)."""
+        return to_json(self._attributes())[:-1] + b',"data":' + to_json(self.data) + b"}"
 
     def headers(self) -> dict[str, str]:
         h = {
@@ -403,7 +407,7 @@ class Envelope:
 def decode(body: bytes, seq: int = 0) -> Envelope:
     """Parse a stored CloudEvent. Raises UnknownEventType or MalformedEvent; never anything else."""
     try:
-        ce = json.loads(body)
+        ce = from_json(body)
         if not isinstance(ce, dict) or ce.get("specversion") != "1.0":
             raise MalformedEvent("not a CloudEvents 1.0 JSON object")
         ce_type, data = ce["type"], ce.get("data") or {}

@@ -17,7 +17,7 @@ from services.scheduler.gang import GangFit, capacity, place_gang
 from services.scheduler.placement import POLICIES, NodeScorer
 from services.scheduler.preemption import VictimSearch, lost_gpu_seconds
 from services.scheduler.reasons import explain, held_back
-from services.scheduler.snapshot import PendingJob, Snapshot
+from services.scheduler.snapshot import PendingJob, RunningJob, Snapshot
 from services.scheduler.shapes import TaskShape
 from services.scheduler.workstate import LONG, NOW, Footprint, WorkState
 from shared.events import GpuShare, TaskPlacement
@@ -82,11 +82,12 @@ class Plan:
     reservation: Reservation | None = None
 
 
-def typical_from_snapshot(snapshot: Snapshot) -> tuple[TypicalShape, ...]:
+def typical_from_snapshot(snapshot: Snapshot, shapes: Mapping[str, TaskShape] | None = None) -> tuple[TypicalShape, ...]:
     """FGD's target workload from the task shapes now pending and running (each task counts once)."""
+    shapes = shapes or {}
     counts: dict[tuple[int, int, int, tuple[str, ...]], int] = {}
     for job in (*snapshot.pending, *snapshot.running):
-        s = TaskShape.of(job.spec)
+        s = shapes.get(job.job_id) or TaskShape.of(job.spec)
         if s.mig:
             continue  # MIG slices are not whole-GPU capacity; FGD does not model them
         key = (s.cpu, s.milli, s.gpus, s.models if s.gpus else ())
@@ -103,9 +104,11 @@ class Cycle:
 
     def __init__(self, snapshot: Snapshot, policy: Policy, now: float) -> None:
         self.snap, self.policy, self.now = snapshot, policy, now
-        typical = policy.typical if policy.typical is not None else typical_from_snapshot(snapshot)
+        shapes = {j.job_id: TaskShape.of(j.spec) for j in snapshot.pending}
+        typical = policy.typical if policy.typical is not None else typical_from_snapshot(snapshot, shapes)
         self.scorer = NodeScorer(policy.name, typical, policy.seed)
         self.ws = WorkState(snapshot.nodes, self.scorer, policy.seed)
+        self._sids = {job_id: self.ws.shape_id(s) for job_id, s in shapes.items()}
         self.ws.note_running(snapshot.running)
         self._empty: WorkState | None = None
         self.placements: dict[str, Placement] = {}
@@ -118,7 +121,8 @@ class Cycle:
         self.allocated: dict[str, float] = {}
         for r in snapshot.running:
             self.allocated[r.queue] = self.allocated.get(r.queue, 0.0) + r.gpu_milli / MILLI
-        self._failed: dict[tuple[int, str, str], int] = {}  # (shape, topology, mode) -> fewest tasks that failed
+        self._failed: dict[tuple[int, str, str], int] = {}
+        self._ever: dict[tuple[int, str, int], bool] = {}  # (shape, topology, mode) -> fewest tasks that failed
         self._reasons: dict[tuple[int, str, int, str], str] = {}
 
     @property
@@ -158,9 +162,20 @@ class Cycle:
 
     # --- placing ------------------------------------------------------------------------
 
+    def sid(self, job: PendingJob) -> int:
+        return self._sids[job.job_id]
+
+    def ever_fits(self, job: PendingJob) -> bool:
+        """Would the gang fit if nothing else ran? If not, no reservation or eviction can help it."""
+        key = (self.sid(job), job.spec.topology, job.spec.tasks)
+        ok = self._ever.get(key)
+        if ok is None:
+            ok = self._ever[key] = capacity(self.empty, key[0]).fits(job.spec.tasks, job.spec.topology)
+        return ok
+
     def try_place(self, job: PendingJob, mode: str) -> GangFit | None:
         spec = job.spec
-        sid = self.ws.shape_id(TaskShape.of(spec))
+        sid = self.sid(job)
         # Capacity only shrinks while placing, so a shape that failed with n tasks fails with n or more.
         if self._failed.get((sid, spec.topology, NOW), 1 << 30) <= spec.tasks:
             return None
@@ -173,7 +188,7 @@ class Cycle:
         return fit
 
     def commit(self, job: PendingJob, fit: GangFit) -> None:
-        shape = self.ws.shapes[self.ws.shape_id(TaskShape.of(job.spec))]
+        shape = self.ws.shapes[self.sid(job)]
         tasks, fp = [], []
         for t, (idx, pick) in enumerate(fit.tasks):
             node = self.ws.nodes[idx]
@@ -197,7 +212,7 @@ class Cycle:
 
     def reason(self, job: PendingJob, mode: str) -> str:
         spec = job.spec
-        sid = self.ws.shape_id(TaskShape.of(spec))
+        sid = self.sid(job)
         key = (sid, spec.topology, spec.tasks, mode)
         if key not in self._reasons:
             self._reasons[key] = explain(self.ws, self.empty, sid, spec.tasks, spec.topology, self.snap.nodes, mode)
@@ -246,7 +261,7 @@ class Cycle:
 
     def _fits_now(self, job: PendingJob) -> bool:
         spec = job.spec
-        sid = self.ws.shape_id(TaskShape.of(spec))
+        sid = self.sid(job)
         if self._failed.get((sid, spec.topology, NOW), 1 << 30) <= spec.tasks:
             return False
         return capacity(self.ws, sid, NOW).fits(spec.tasks, spec.topology)
@@ -269,8 +284,8 @@ class Cycle:
         """
         spec = job.spec
         ws = self.ws
-        sid = ws.shape_id(TaskShape.of(spec))
-        if not capacity(self.empty, sid).fits(spec.tasks, spec.topology):
+        sid = self.sid(job)
+        if not self.ever_fits(job):
             return None
         releases = self._releases()
 
@@ -305,26 +320,36 @@ class Cycle:
         return Reservation(job.job_id, releases[lo - 1][0], names)
 
     def preempt(self) -> None:
-        """Waiting jobs, in order, may evict strictly lower-priority running gangs (preemptible ones only)."""
+        """Waiting jobs, in order, may evict strictly lower-priority running gangs (preemptible ones only).
+
+        Victims are grouped by (queue, rank) once, so finding a job's candidates
+        costs a few lookups; a shape whose search failed is not searched again
+        (evictions only ever shrink the pool).
+        """
         if not self.policy.preempt:
             return
+        groups: dict[tuple[str, int], list[RunningJob]] = {}
+        for r in self.snap.running:
+            if not r.preempting:
+                groups.setdefault((r.queue, r.priority_rank), []).append(r)
+        queues = sorted({q for q, _ in groups})
         search = VictimSearch(self.ws, self.now)
+        failed: set[tuple] = set()
         tries = 0
         for job in self.waiting:
-            rank = job.priority_rank
-            pool = [
-                r for r in self.snap.running
-                if not r.preempting and r.job_id not in self.evicted and r.priority_rank < rank
-                and r.priority_rank < self.policy.preemptible_below
-                and (self.policy.cross_queue_preemption or r.queue == job.queue)
-            ]
-            if not pool:
+            below = min(job.priority_rank, self.policy.preemptible_below)
+            scope = queues if self.policy.cross_queue_preemption else [job.queue]
+            keys = [(q, rank) for q in scope for rank in range(below) if (q, rank) in groups]
+            memo = (self.sid(job), job.spec.topology, job.spec.tasks, below, "*" if self.policy.cross_queue_preemption else job.queue)
+            if not keys or memo in failed or not self.ever_fits(job):
                 continue
             if tries >= self.policy.max_preemptors:
                 break
             tries += 1
-            victims = search.cheapest(job, pool)
+            pool = [r for k in keys for r in groups[k] if r.job_id not in self.evicted]
+            victims = search.cheapest(job, pool) if pool else None
             if victims is None:
+                failed.add(memo)
                 continue
             for v in victims:
                 self.evicted.add(v.job_id)

@@ -51,6 +51,155 @@ def up(
     )
 
 
+@app.command()
+def gateway(
+    nats: Annotated[str, typer.Option("--nats", help="NATS URL")],
+    service: Annotated[list[str], typer.Option("--service", help="NAME=URL of a service process, once per service")],
+    port: Annotated[int, typer.Option(help="HTTP API port")] = 8080,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+) -> None:
+    """Serve the API on one port in front of services running in their own processes or containers."""
+    upstreams = dict(s.split("=", 1) for s in service if "=" in s)
+    unknown = set(upstreams) - set(stack.SERVICES)
+    if unknown or len(upstreams) != len(service):
+        fail(f"--service takes NAME=URL with NAME one of {', '.join(stack.SERVICES)}")
+    settings = Settings(nats_url=nats, port=port, host=host)
+    stack.setup_logging(settings.log_level)
+    asyncio.run(stack.serve_gateway(settings, nats, upstreams))
+
+
+# --- API client ----------------------------------------------------------------------
+
+UrlOpt = Annotated[str, typer.Option("--url", envvar="GPUORCH_URL", help="gpuorch API")]
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def api(method: str, url: str, path: str, **kw: Any) -> Any:
+    """Call the API; turn every failure into a message a person can act on."""
+    import httpx
+
+    try:
+        resp = httpx.request(method, url.rstrip("/") + path, timeout=30, **kw)
+    except httpx.HTTPError as e:
+        fail(f"cannot reach gpuorch at {url} ({type(e).__name__}): is `gpuorch up` running? (--url or GPUORCH_URL)")
+    if resp.status_code >= 400:
+        try:
+            detail = resp.json().get("detail", resp.text)
+        except ValueError:
+            detail = resp.text
+        if isinstance(detail, list):  # FastAPI validation errors: one line per bad field
+            detail = "\n  ".join(
+                f"{'.'.join(str(p) for p in d.get('loc', [])[1:]) or 'body'}: {d.get('msg', d)}" for d in detail
+            )
+            detail = "invalid request:\n  " + detail
+        fail(f"{detail} (HTTP {resp.status_code})")
+    return resp.json()
+
+
+def age(ts: float | None, now: float) -> str:
+    if not ts:
+        return "-"
+    s = int(max(0, now - ts))
+    return f"{s // 86400}d{s % 86400 // 3600}h" if s >= 86400 else f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+# --- jobs ------------------------------------------------------------------------------
+
+
+@app.command()
+def submit(
+    command: Annotated[list[str] | None, typer.Argument(help="the command each task runs")] = None,
+    file: Annotated[Path | None, typer.Option("-f", "--file", help="a job as YAML/JSON, or an sbatch script")] = None,
+    name: Annotated[str | None, typer.Option(help="job name")] = None,
+    queue: Annotated[str | None, typer.Option("-q", "--queue", help="leaf queue, e.g. research.nlp")] = None,
+    priority: Annotated[str | None, typer.Option(help="critical|high|normal|low")] = None,
+    tasks: Annotated[int | None, typer.Option("-n", "--tasks", help="gang size: all start together or none")] = None,
+    gpus: Annotated[float | None, typer.Option("-g", "--gpus", help="GPUs per task: whole, or a fraction below 1")] = None,
+    cpu: Annotated[int | None, typer.Option(help="milli-CPU per task")] = None,
+    memory: Annotated[int | None, typer.Option(help="MiB per task")] = None,
+    model: Annotated[list[str] | None, typer.Option(help="allowed GPU model (repeatable)")] = None,
+    mig: Annotated[str | None, typer.Option(help="MIG profile, e.g. 1g.10gb")] = None,
+    topology: Annotated[str | None, typer.Option(help="nvlink|node|rack|zone|any")] = None,
+    time_limit: Annotated[int | None, typer.Option(help="seconds")] = None,
+    env: Annotated[list[str] | None, typer.Option("-e", "--env", help="K=V (repeatable)")] = None,
+    url: UrlOpt = DEFAULT_URL,
+    as_json: JsonOpt = False,
+) -> None:
+    """Submit a job from flags, a YAML/JSON file, or an sbatch script."""
+    from services.jobfile import JobFileError, load_job_file
+
+    try:
+        body: dict[str, Any] = load_job_file(file) if file else {}
+    except JobFileError as e:
+        fail(str(e))
+    flags = {"name": name, "queue": queue, "priority": priority, "tasks": tasks, "topology": topology, "time_limit_s": time_limit}
+    body.update({k: v for k, v in flags.items() if v is not None})
+    res = body.setdefault("resources", {})
+    for k, v in (("gpus", gpus), ("cpu_milli", cpu), ("memory_mib", memory)):
+        if v is not None:
+            res[k] = int(v) if k == "gpus" and v == int(v) else v
+    if model or mig:
+        body.setdefault("gpu", {}).update({k: v for k, v in (("models", model), ("mig", mig)) if v})
+    if env:
+        bad = [e for e in env if "=" not in e]
+        if bad:
+            fail(f"--env takes K=V, got {bad[0]!r}")
+        body.setdefault("env", {}).update(dict(e.split("=", 1) for e in env))
+    if command:
+        body["command"] = command
+    if "name" not in body:
+        body["name"] = (Path(body["command"][0]).name if body.get("command") else "job")[:63] or "job"
+    job = api("POST", url, "/v1/jobs", json=body)
+    if as_json:
+        print_json(job)
+    else:
+        console.print(f"submitted [bold]{job['id']}[/bold] ({job['name']}) to queue {job['queue']}: {job['state']}")
+
+
+@app.command()
+def jobs(
+    queue: Annotated[str | None, typer.Option("-q", "--queue")] = None,
+    state: Annotated[str | None, typer.Option("-s", "--state")] = None,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="include finished jobs")] = False,
+    limit: Annotated[int, typer.Option(min=1)] = 200,
+    url: UrlOpt = DEFAULT_URL,
+    as_json: JsonOpt = False,
+) -> None:
+    """List jobs, like squeue."""
+    import time
+
+    from rich.table import Table
+
+    params = {k: v for k, v in (("queue", queue), ("state", state), ("limit", limit if (state or all_) else 100_000)) if v}
+    rows = api("GET", url, "/v1/jobs", params=params)
+    if not (all_ or state):
+        rows = [j for j in rows if j["state"] not in ("succeeded", "failed", "cancelled", "rejected")][:limit]
+    if as_json:
+        print_json(rows)
+        return
+    now = time.time()
+    table = Table(box=None, header_style="bold")
+    for col in ("ID", "NAME", "QUEUE", "STATE", "TASKSxGPUS", "NODES", "AGE", "REASON"):
+        table.add_column(col, overflow="fold" if col == "REASON" else "ellipsis", no_wrap=col != "REASON")
+    for j in rows:
+        nodes = ",".join(sorted({p["node"] for p in j["placement"]})) or "-"
+        g = j["gpus_per_task"]
+        table.add_row(j["id"], j["name"], j["queue"], j["state"], f"{j['tasks']}x{int(g) if g == int(g) else g}", nodes,
+                      age(j["submitted_at"], now), j["reason"] or "")
+    console.print(table)
+
+
+@app.command()
+def cancel(job_id: Annotated[str, typer.Argument()], url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """Cancel a job: its tasks are stopped and its GPUs freed."""
+    job = api("DELETE", url, f"/v1/jobs/{job_id}")
+    print_json(job) if as_json else console.print(f"cancelled {job_id}")
+
+
 # --- events ----------------------------------------------------------------------------
 
 

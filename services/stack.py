@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +150,8 @@ def _run_split(settings: Settings, nats_url: str) -> None:
         json.dumps({n: {"port": ports[n], "pid": p.pid} for n, p in procs.items()}, indent=2)
     )
     try:
-        asyncio.run(_serve_gateway(settings, nats_url, ports, procs))
+        upstreams = {name: f"http://{settings.host}:{port}" for name, port in ports.items()}
+        asyncio.run(serve_gateway(settings, nats_url, upstreams, _supervise(settings, nats_url, ports, procs)))
     finally:
         stop_processes(procs.values())
 
@@ -181,9 +182,10 @@ def stop_processes(procs: Any, timeout: float = 10.0) -> None:
             p.wait()
 
 
-async def _serve_gateway(
-    settings: Settings, nats_url: str, ports: dict[str, int], procs: dict[str, subprocess.Popen]
+async def serve_gateway(
+    settings: Settings, nats_url: str, upstreams: dict[str, str], background: Coroutine[Any, Any, None] | None = None
 ) -> None:
+    """The API on one port: the history API served here, every other path forwarded to its service."""
     import httpx
     from fastapi import Request, Response
 
@@ -194,9 +196,9 @@ async def _serve_gateway(
     @app.get("/v1/services", tags=["ops"])
     async def services_status() -> list[dict[str, Any]]:
         out = []
-        for name, port in ports.items():
+        for name, base in upstreams.items():
             try:
-                out.extend((await client.get(f"http://{settings.host}:{port}/v1/services")).json())
+                out.extend((await client.get(f"{base}/v1/services")).json())
             except (httpx.HTTPError, ValueError) as e:
                 out.append({"service": name, "ready": False, "error": repr(e)})
         return out
@@ -212,7 +214,7 @@ async def _serve_gateway(
         name = owner(request.url.path)
         if name is None:
             return Response(json.dumps({"detail": f"no route for {request.url.path}"}), 404, media_type="application/json")
-        url = f"http://{settings.host}:{ports[name]}{request.url.path}"
+        url = f"{upstreams[name]}{request.url.path}"
         try:
             resp = await client.request(
                 request.method, url, params=request.query_params, content=await request.body(),
@@ -223,12 +225,13 @@ async def _serve_gateway(
         return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
 
     server = http_server(app, settings.host, settings.port)
-    log.info("event=gateway_up api=http://%s:%d services=%s", settings.host, settings.port, ports)
-    supervisor = asyncio.create_task(_supervise(settings, nats_url, ports, procs))
+    log.info("event=gateway_up api=http://%s:%d services=%s", settings.host, settings.port, upstreams)
+    task = asyncio.create_task(background) if background is not None else None
     try:
         await serve_until_signal(server)
     finally:
-        supervisor.cancel()
+        if task is not None:
+            task.cancel()
         await client.aclose()
         await evlog.close()
 

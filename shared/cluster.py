@@ -68,6 +68,9 @@ class JobRecord:
     preemptions: list[float] = field(default_factory=list)  # times it was preempted
     retries: int = 0
     timed_out: bool = False
+    seq: int = 0  # stream sequence of the last event on this job: the expected sequence of the next decision
+    preempting_since: float | None = None
+    grace_s: int = 0
 
     @property
     def gpu_milli_total(self) -> int:
@@ -173,6 +176,7 @@ class ClusterProjection(Projection):
         if job is None:
             self.invalid(env, f"unknown job {job_id}")
             return None
+        job.seq = env.seq
         if job.state not in allowed:
             self.invalid(env, f"job {job_id} is {job.state}")
             return None
@@ -184,7 +188,7 @@ class ClusterProjection(Projection):
             self.invalid(env, f"job {e.job_id} submitted twice")
             return
         t = env.timestamp if e.submitted_at is None else e.submitted_at
-        self.jobs[e.job_id] = JobRecord(e.job_id, e.spec, submitted_at=t, updated_at=env.timestamp)
+        self.jobs[e.job_id] = JobRecord(e.job_id, e.spec, submitted_at=t, updated_at=env.timestamp, seq=env.seq)
 
     def on_job_rejected(self, env: Envelope, e: ev.JobRejected) -> None:
         if job := self._job(env, e.job_id, PENDING):
@@ -290,6 +294,7 @@ class ClusterProjection(Projection):
     def on_job_preempting(self, env: Envelope, e: ev.JobPreempting) -> None:
         if job := self._job(env, e.job_id, {"placed", "running"}):
             job.state, job.reason = "preempting", e.reason
+            job.preempting_since, job.grace_s = env.timestamp, e.grace_s
 
     def on_job_preempted(self, env: Envelope, e: ev.JobPreempted) -> None:
         job = self._job(env, e.job_id, {"preempting"})
@@ -297,7 +302,7 @@ class ClusterProjection(Projection):
             self._release(job)
             job.state, job.placements, job.tasks_running = "preempted", [], []
             job.preemptions.append(env.timestamp)
-            job.started_at = job.placed_at = None
+            job.started_at = job.placed_at = job.preempting_since = None
 
     def on_job_timed_out(self, env: Envelope, e: ev.JobTimedOut) -> None:
         if job := self._job(env, e.job_id, ACTIVE):

@@ -109,7 +109,7 @@ class EventLog:
             log.debug("nats error=%r", e)
 
         nc = await nats.connect(
-            url,
+            servers=[u.strip() for u in url.split(",") if u.strip()],
             name=name,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.25,

@@ -36,3 +36,24 @@ def wait_until(cond: Callable[[], bool], timeout: float = 15.0, what: str = "con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def in_process_stack(log: EventLog, **settings_kw) -> AsyncIterator[tuple["httpx.AsyncClient", dict[str, Service]]]:
+    """Every service in this event loop against a real nats-server, the API through ASGI."""
+    import httpx
+
+    from services.stack import SERVICES, build_service
+    from shared.api_events import events_router
+    from shared.runtime import Metrics, build_app
+    from shared.settings import Settings
+
+    settings = Settings(**{"cycle_interval_s": 0.3, "debounce_s": 0.01, **settings_kw})
+    metrics = Metrics()
+    services = {n: build_service(n, settings, metrics) for n in SERVICES}
+    app = build_app(list(services.values()), [events_router(lambda: log)])
+    async with contextlib.AsyncExitStack() as stack:
+        for svc in services.values():
+            await stack.enter_async_context(running(svc, log))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gpuorch") as client:
+            yield client, services

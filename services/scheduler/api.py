@@ -1,15 +1,21 @@
-"""Job API (reads here; submission and cancel grow in the scheduler issue)."""
+"""Job API: submit, list, get, cancel, history."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
 
+from services.scheduler.admission import admission_error
+from shared import events as ev
 from shared.api_events import record_json
-from shared.cluster import JobRecord
-from shared.events import SUBJECT_PREFIX, subject_token
+from shared.cluster import ACTIVE, PENDING, JobRecord
+from shared.events import SUBJECT_PREFIX, Envelope, new_id, subject_token
+from shared.model import JobSpec
 from shared.runtime import Service
+
+if TYPE_CHECKING:
+    from services.scheduler.service import Scheduler
 
 
 def job_view(job: JobRecord) -> dict[str, Any]:
@@ -36,9 +42,31 @@ def job_view(job: JobRecord) -> dict[str, Any]:
     }
 
 
-def router(svc: Service) -> APIRouter:
+def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
     r = APIRouter(tags=["jobs"])
     proj = svc.projection
+
+    def known(job_id: str) -> JobRecord:
+        job = proj.jobs.get(job_id)
+        if job is None:
+            raise HTTPException(404, f"no job {job_id}")
+        return job
+
+    @r.post("/v1/jobs", status_code=201)
+    async def submit(spec: JobSpec) -> dict[str, Any]:
+        """Accept a job (all tasks start together or none does); 422 with the reason if it never could run."""
+        if why := admission_error(proj, spec):
+            raise HTTPException(422, why)
+        job_id = new_id("j-")
+        source = "/gpuorch/scheduler"
+        assert svc.log is not None
+        await svc.log.append_many([
+            Envelope(ev.JobSubmitted(job_id=job_id, spec=spec), id=f"{job_id}-submitted", source=source),
+            Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source),
+        ])
+        scheduler.wake.set()
+        view = job_view(JobRecord(job_id, spec, state="queued"))
+        return view
 
     @r.get("/v1/jobs")
     def list_jobs(
@@ -56,17 +84,27 @@ def router(svc: Service) -> APIRouter:
 
     @r.get("/v1/jobs/{job_id}")
     def get_job(job_id: str) -> dict[str, Any]:
-        job = proj.jobs.get(job_id)
-        if job is None:
-            raise HTTPException(404, f"no job {job_id}")
-        return job_view(job)
+        return job_view(known(job_id))
+
+    @r.delete("/v1/jobs/{job_id}")
+    async def cancel(job_id: str) -> dict[str, Any]:
+        job = known(job_id)
+        if job.state not in ACTIVE | PENDING | {"preempted"}:
+            raise HTTPException(409, f"job {job_id} is already {job.state}")
+        assert svc.log is not None
+        env = Envelope(ev.JobCancelled(job_id=job_id, reason="cancelled by user"), id=f"{job_id}-cancel-{job.seq}",
+                       source="/gpuorch/scheduler")
+        seq = await svc.log.append(env)
+        scheduler.wake.set()
+        return {**job_view(job), "state": "cancelled", "seq": seq}
 
     @r.get("/v1/jobs/{job_id}/events")
     async def job_events(job_id: str) -> list[dict[str, Any]]:
-        if job_id not in proj.jobs:
-            raise HTTPException(404, f"no job {job_id}")
         assert svc.log is not None
         subjects = [f"{SUBJECT_PREFIX}.job.{subject_token(job_id)}"]
-        return [record_json(rec) async for rec in svc.log.replay(1, subjects)]
+        history = [record_json(rec) async for rec in svc.log.replay(1, subjects)]
+        if not history:
+            raise HTTPException(404, f"no job {job_id}")
+        return history
 
     return r

@@ -17,8 +17,8 @@ from services.scheduler.gang import GangFit, capacity, place_gang
 from services.scheduler.placement import POLICIES, NodeScorer
 from services.scheduler.preemption import VictimSearch, lost_gpu_seconds
 from services.scheduler.reasons import explain, held_back
-from services.scheduler.snapshot import PendingJob, RunningJob, Snapshot
 from services.scheduler.shapes import TaskShape
+from services.scheduler.snapshot import PendingJob, RunningJob, Snapshot
 from services.scheduler.workstate import LONG, NOW, Footprint, WorkState
 from shared.events import GpuShare, TaskPlacement
 from shared.model import MILLI, PRIORITY_RANK
@@ -116,13 +116,13 @@ class Cycle:
         self.unschedulable: dict[str, str] = {}
         self.reservation: Reservation | None = None
         self.evicted: set[str] = set()
-        self.waiting: list[PendingJob] = []  # not placed, in the order they were tried
+        self.waiting: list[tuple[PendingJob, str]] = []  # not placed, in the order tried, with what they may use
         self.ends: list[tuple[float, str, Footprint]] = []  # jobs placed this cycle: when they free up
         self.allocated: dict[str, float] = {}
         for r in snapshot.running:
             self.allocated[r.queue] = self.allocated.get(r.queue, 0.0) + r.gpu_milli / MILLI
-        self._failed: dict[tuple[int, str, str], int] = {}
-        self._ever: dict[tuple[int, str, int], bool] = {}  # (shape, topology, mode) -> fewest tasks that failed
+        self._failed: dict[tuple[int, str, str], int] = {}  # (shape, topology, mode) -> fewest tasks that failed
+        self._ever: dict[tuple[int, str, int], bool] = {}
         self._reasons: dict[tuple[int, str, int, str], str] = {}
 
     @property
@@ -227,7 +227,7 @@ class Cycle:
             if fit is not None:
                 self.commit(job, fit)
                 continue
-            self.waiting.append(job)
+            self.waiting.append((job, NOW))
             reason = self.reason(job, NOW)
             res = self.reserve(job) if self.policy.backfill else None
             if res is not None:
@@ -253,7 +253,7 @@ class Cycle:
             if fit is not None:
                 self.commit(job, fit)
                 continue
-            self.waiting.append(job)
+            self.waiting.append((job, mode))
             if mode == LONG and self._fits_now(job):
                 self.unschedulable[job.job_id] = held_back(res.job_id, res.start, self.now, res.nodes, limit)
             else:
@@ -336,7 +336,7 @@ class Cycle:
         search = VictimSearch(self.ws, self.now)
         failed: set[tuple] = set()
         tries = 0
-        for job in self.waiting:
+        for job, mode in self.waiting:
             below = min(job.priority_rank, self.policy.preemptible_below)
             scope = queues if self.policy.cross_queue_preemption else [job.queue]
             keys = [(q, rank) for q in scope for rank in range(below) if (q, rank) in groups]
@@ -347,7 +347,7 @@ class Cycle:
                 break
             tries += 1
             pool = [r for k in keys for r in groups[k] if r.job_id not in self.evicted]
-            victims = search.cheapest(job, pool) if pool else None
+            victims = search.cheapest(job, pool, mode) if pool else None
             if victims is None:
                 failed.add(memo)
                 continue
@@ -360,7 +360,7 @@ class Cycle:
             names = ", ".join(v.job_id for v in victims)
             self.unschedulable[job.job_id] = f"waiting for preemption of {names} (grace {self.policy.grace_s} s)"
 
-    def reclaim(self, requests: Sequence[ReclaimRequest]) -> None:
+    def reclaim(self, requests: Sequence[ReclaimRequest | tuple[str, float]]) -> None:
         """Free GPUs for queues below their entitlement by evicting other queues' gangs.
 
         Victims come from queues above their entitlement (any other queue without
@@ -368,7 +368,7 @@ class Cycle:
         below its entitlement.
         """
         ent = self.snap.entitlements
-        for req in requests:
+        for req in (r if isinstance(r, ReclaimRequest) else ReclaimRequest(*r) for r in requests):
             need = req.gpus * MILLI
             pool = [
                 r for r in self.snap.running
@@ -400,7 +400,10 @@ def _when(start: float, now: float) -> str:
 
 
 def run_cycle(
-    snapshot: Snapshot, policy: Policy | None = None, now: float = 0.0, reclaims: Sequence[ReclaimRequest] = ()
+    snapshot: Snapshot,
+    policy: Policy | None = None,
+    now: float = 0.0,
+    reclaims: Sequence[ReclaimRequest | tuple[str, float]] = (),
 ) -> Plan:
     """Decide one cycle. Actions, in order:
 

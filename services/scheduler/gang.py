@@ -1,16 +1,20 @@
-"""Gang placement: all tasks of a job at once, as tight as topology allows, or nothing."""
+"""Gang placement: all tasks of a job at once, as tight as topology allows, or nothing.
+
+Nodes without a rack (zone) label count as one unnamed rack (zone): a cluster
+that never labelled its racks is treated as flat.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import islice
 from dataclasses import dataclass, replace
 
 from services.scheduler.equivalence import Cand, Pick, Site
 from services.scheduler.workstate import NOW, WorkState
 from shared.model import MILLI
 
-LEVELS = ("node", "rack", "zone", "any")
-SPREADS = ("nvlink", "node", "rack", "zone", "any")
+LEVELS = ("node", "rack", "zone", "any")  # how far a gang may spread, tightest first
 
 
 def widest(topology: str) -> str:
@@ -45,16 +49,15 @@ class Unit:
     site: Site
     cand: Cand
     count: int
-    score: object
 
 
-def _units(ws: WorkState, sid: int, cands: list[Cand]) -> Iterator[Unit]:
+def _units(ws: WorkState, cands: list[Cand]) -> Iterator[Unit]:
     for c in cands:
         if c.node >= 0:
-            yield Unit(c.cap, ws.nodes[c.node].site, c, 1, None)
+            yield Unit(c.cap, ws.nodes[c.node].site, c, 1)
         else:
             for site, members in c.cls.sites.items():
-                yield Unit(c.cap, site, c, len(members), None)
+                yield Unit(c.cap, site, c, len(members))
 
 
 def capacity(ws: WorkState, sid: int, mode: str = NOW, cands: list[Cand] | None = None) -> Capacity:
@@ -66,7 +69,7 @@ def capacity(ws: WorkState, sid: int, mode: str = NOW, cands: list[Cand] | None 
         node = ws.nodes[c.node if c.node >= 0 else ws.first_member(c.cls)]
         if (c.cap, -node.prio) > best[:2]:
             best = (c.cap, -node.prio, node.node_id)
-    for u in _units(ws, sid, cands):
+    for u in _units(ws, cands):
         sites[u.site] = sites.get(u.site, 0) + u.cap * u.count
         zones[u.site[0]] = zones.get(u.site[0], 0) + u.cap * u.count
     rack_site, rack = max(sites.items(), key=lambda kv: (kv[1], kv[0]), default=(("", ""), 0))
@@ -105,10 +108,12 @@ def _one_node(ws: WorkState, sid: int, tasks: int, cands: list[Cand]) -> int | N
     if not fitting:
         return None
     if not ws.scorer.deterministic:
-        nodes = sorted(
-            (ws.nodes[i].prio, i) for c in fitting for i in ([c.node] if c.node >= 0 else c.cls.members)
-        )
-        return nodes[ws.scorer.rng.randrange(len(nodes))][1]
+        pools = [[c.node] if c.node >= 0 else c.cls.members for c in fitting]
+        r = ws.scorer.rng.randrange(sum(len(p) for p in pools))
+        for pool in pools:
+            if r < len(pool):
+                return next(islice(pool, r, None))
+            r -= len(pool)
     best = max(fitting, key=lambda c: (ws.score(c.cls, sid), -_prio(ws, c)))
     return best.node if best.node >= 0 else ws.first_member(best.cls)
 
@@ -219,7 +224,7 @@ def _place(ws: WorkState, sid: int, tasks: int, topology: str, mode: str) -> Gan
     elif level == "node":
         return None
     else:
-        units = list(_units(ws, sid, cands))
+        units = list(_units(ws, cands))
         if sum(u.cap * u.count for u in units) < tasks:
             return None
         found = _spread_plan(ws, sid, tasks, level, units)

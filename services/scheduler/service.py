@@ -1,9 +1,186 @@
+"""The scheduler service: a cycle on relevant events (debounced) and on a timer, run by the lease holder.
+
+The cycle itself is the pure ``run_cycle``; this adapter takes the snapshot, reads
+the clock once, appends the plan, and waits until its own events are folded before
+the next cycle, so it never decides twice on the same free GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+from services.scheduler.api import router
+from services.scheduler.core import Plan, Policy, run_cycle
+from services.scheduler.projection import SchedulerProjection
+from services.scheduler.snapshot import snapshot_from_cluster
+from shared import events as ev
+from shared.cluster import ACTIVE
+from shared.eventlog import LEASE_BUCKET, ConcurrencyConflict, Lease
+from shared.events import Envelope
 from shared.runtime import Metrics, Service
 from shared.settings import Settings
 
-from services.scheduler.api import router
-from services.scheduler.projection import SchedulerProjection
+log = logging.getLogger("gpuorch.scheduler")
+
+LEASE_TTL_S = 10.0
+RELEVANT = ("job.queued", "job.succeeded", "job.failed", "job.cancelled", "job.preempted", "node.", "gpu.", "queue.")
+
+
+class Scheduler:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+        self.policy = Policy(name=settings.policy)
+        self.interval = settings.cycle_interval_s
+        self.debounce = settings.debounce_s
+        self.lease: Lease | None = None
+        self.leader = asyncio.Event()
+        self.wake = asyncio.Event()
+        self.svc = Service(
+            "scheduler",
+            SchedulerProjection(),
+            reaction=self.react,
+            timers=[self.hold_lease, self.cycle_loop],
+            router=lambda svc: router(svc, self),
+            snapshot_every=settings.snapshot_every,
+            metrics=metrics,
+        )
+
+    @property
+    def proj(self) -> SchedulerProjection:
+        return self.svc.projection  # type: ignore[return-value]
+
+    # --- leadership ---------------------------------------------------------------------
+
+    async def hold_lease(self, svc: Service) -> None:
+        assert svc.log is not None
+        kv = await svc.log.kv(LEASE_BUCKET, ttl=LEASE_TTL_S)
+        self.lease = Lease(kv, "scheduler", f"{socket.gethostname()}:{os.getpid()}")
+        while True:
+            try:
+                ok = await self.lease.acquire_or_renew()
+            except Exception as e:  # noqa: BLE001 - NATS away: not leader until it answers
+                log.warning("lease error=%r", e)
+                ok = False
+            if ok and not self.leader.is_set():
+                log.info("event=leader_acquired epoch=%s", self.lease.epoch)
+                self.leader.set()
+                self.wake.set()
+            elif not ok and self.leader.is_set():
+                log.warning("event=leader_lost")
+                self.leader.clear()
+            await asyncio.sleep(LEASE_TTL_S / 3)
+
+    # --- the cycle ----------------------------------------------------------------------
+
+    async def cycle_loop(self, svc: Service) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.interval)
+            except asyncio.TimeoutError:
+                pass
+            await asyncio.sleep(self.debounce)  # let a burst of events land before deciding
+            self.wake.clear()
+            if not self.leader.is_set():
+                continue
+            try:
+                await self.run_once()
+            except Exception:  # noqa: BLE001 - a failed cycle is logged and retried on the next tick
+                log.exception("event=cycle_failed")
+
+    async def run_once(self) -> Plan:
+        now = time.time()
+        t0 = time.perf_counter()
+        plan = run_cycle(snapshot_from_cluster(self.proj, now), self.policy, now)
+        self.svc.metrics.cycle_seconds.labels("scheduler").observe(time.perf_counter() - t0)
+        await self.commit(plan, now)
+        return plan
+
+    async def commit(self, plan: Plan, now: float) -> None:
+        epoch = self.lease.epoch if self.lease else None
+        last = 0
+        for job_id, p in plan.placements.items():
+            job = self.proj.jobs.get(job_id)
+            if job is None or job.state != "queued":
+                continue
+            event = ev.JobPlaced(job_id=job_id, placements=p.tasks, spread=p.spread, policy=p.policy)
+            try:
+                last = max(last, *await self.svc.emit(event, expected_last_subject_seq=job.seq, epoch=epoch))
+            except ConcurrencyConflict:
+                log.info("event=placement_conflict job=%s action=redecide", job_id)
+                continue
+            nodes = ",".join(sorted({t.node_id for t in p.tasks}))
+            log.info("event=placed job=%s nodes=%s spread=%s policy=%s", job_id, nodes, p.spread, p.policy)
+        for pre in plan.preemptions:
+            job = self.proj.jobs.get(pre.job_id)
+            if job is None or job.state not in ("placed", "running"):
+                continue
+            try:
+                event = ev.JobPreempting(job_id=pre.job_id, reason=pre.reason, grace_s=pre.grace_s)
+                last = max(last, *await self.svc.emit(event, expected_last_subject_seq=job.seq, epoch=epoch))
+                log.info("event=preempting job=%s reason=%r grace_s=%d", pre.job_id, pre.reason, pre.grace_s)
+            except ConcurrencyConflict:
+                continue
+        for job_id, reason in plan.unschedulable.items():
+            job = self.proj.jobs.get(job_id)
+            if job is not None and job.state == "queued" and job.reason != reason:
+                last = max(last, *await self.svc.emit(ev.JobUnschedulable(job_id=job_id, reason=reason), epoch=epoch))
+        last = max(last, await self.finish_preemptions(now, epoch))
+        if last:
+            deadline = time.monotonic() + 10
+            while self.proj.seq < last and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+
+    async def finish_preemptions(self, now: float, epoch: int | None) -> int:
+        """A preempting job whose grace is over (plus a margin for its agent's report) is requeued."""
+        last = 0
+        for job in list(self.proj.jobs.values()):
+            if job.state == "preempting" and job.preempting_since is not None and now > job.preempting_since + job.grace_s + 5:
+                last = max(last, *await self.requeue(job.job_id, f"grace-{job.seq}", epoch))
+        return last
+
+    async def requeue(self, job_id: str, why: str, epoch: int | None = None) -> list[int]:
+        envs = [
+            Envelope(ev.JobPreempted(job_id=job_id), id=f"{job_id}-preempted-{why}", source="/gpuorch/scheduler", epoch=epoch),
+            Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-requeued-{why}", source="/gpuorch/scheduler", epoch=epoch),
+        ]
+        assert self.svc.log is not None
+        return await self.svc.log.append_many(envs)
+
+    # --- reactions ----------------------------------------------------------------------
+
+    async def react(self, env: Envelope) -> None:
+        """Turn task exits into the job's end. Event ids derive from the trigger, so a
+        standby replica or a redelivery appends nothing twice."""
+        if env.data.TYPE.startswith(RELEVANT):
+            self.wake.set()
+        if not isinstance(env.data, ev.JobTaskExited):
+            return
+        job = self.proj.jobs.get(env.data.job_id)
+        if job is None or job.state not in ACTIVE:
+            return
+        failed = [c for c in job.tasks_exited.values() if c not in (0, None)]
+        if job.state == "preempting":
+            if not job.tasks_running:
+                await self.requeue(job.job_id, f"exit-{env.id}")
+            return
+        if failed and job.state != "preempting":
+            await self._decide(env, ev.JobFailed(job_id=job.job_id, code=failed[0], reason=f"task exited with code {failed[0]}"))
+        elif len(job.tasks_exited) == job.spec.tasks:
+            lost = [t for t, c in job.tasks_exited.items() if c is None]
+            if lost:
+                await self._decide(env, ev.JobFailed(job_id=job.job_id, reason=f"task {lost[0]} was killed by a signal"))
+            else:
+                await self._decide(env, ev.JobSucceeded(job_id=job.job_id))
+
+    async def _decide(self, trigger: Envelope, event: ev.Event) -> None:
+        assert self.svc.log is not None
+        env = Envelope(event, id=f"{trigger.id}-{event.TYPE}", source="/gpuorch/scheduler")
+        await self.svc.log.append(env)
+        log.info("event=%s job=%s", event.TYPE.split(".")[1], getattr(event, "job_id", ""))
 
 
 def build(settings: Settings, metrics: Metrics | None = None) -> Service:
-    return Service("scheduler", SchedulerProjection(), router=router, snapshot_every=settings.snapshot_every, metrics=metrics)
+    return Scheduler(settings, metrics).svc

@@ -4,8 +4,10 @@ Nodes with the same static make-up (GPU models, memory, compute capability,
 NVLink layout, MIG layout, labels) and the same free state (per-GPU milli, free
 MIG slices, CPU, memory) are interchangeable for every decision except the
 tie-break, so capacity, score and GPU choice are computed once per class and
-memoised there. Classes are indexed by their largest free block; a shape only
-scans the classes that can hold it. Every mutation returns its undo.
+memoised there. Rack and zone are not part of a class (scores ignore them): a
+class keeps its members per (zone, rack) for gangs that must stay together.
+Classes are indexed by their largest free block; a shape only scans the classes
+that can hold it. Every mutation returns its undo.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ Footprint = tuple[tuple[int, tuple[tuple[int, int, int], ...], int, int, str | N
 
 
 class WorkState:
+    """Free capacity of the schedulable nodes, as classes; what one cycle tries, keeps and undoes."""
+
     def __init__(
         self, nodes: Sequence[NodeSnap], scorer: NodeScorer, seed: int = 0, empty: bool = False,
         book: ShapeBook | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -424,6 +425,18 @@ def test_two_preemptors_do_not_count_the_same_victim_twice() -> None:
     assert not plan.unschedulable["u2"].startswith("waiting for preemption")
 
 
+def test_a_gang_preempts_the_cheapest_whole_nodes_it_needs() -> None:
+    c = cluster(node("n1").gpus(8), node("n2").gpus(8), node("n3").gpus(8))
+    for n, started in (("n1", 0), ("n2", 90), ("n3", 95)):
+        c.running(job(f"on-{n}").gpus(8).priority("low").build(), on=[(n, list(range(8)))], job_id=f"on-{n}",
+                  started_at=started)
+    c.pending(job("urgent").gpus(8).tasks(2).priority("high").build(), "urgent")
+
+    plan = run_cycle(c.snapshot(now=100), now=100)
+
+    assert sorted(p.job_id for p in plan.preemptions) == ["on-n2", "on-n3"]
+
+
 # --- reclaim -------------------------------------------------------------------------------
 
 
@@ -523,3 +536,44 @@ def test_gpuclustering_groups_pods_of_one_shape() -> None:
     mixed = NodeFree("mixed", 1, "G2", 1, 1, [500, 0], {"share": 1, "1-gpu": 1})
     idle = NodeFree("idle", 2, "G2", 1, 1, [1000, 1000])
     assert (scorer.score(same, pod), scorer.score(mixed, pod), scorer.score(idle, pod)) == (75 + 20, 50 + 23, 25 + 18)
+
+
+# --- the snapshot and the core's purity ----------------------------------------------------
+
+
+def test_the_snapshot_shows_only_what_can_be_used() -> None:
+    c = cluster(node("ok").gpus(2), node("off").gpus(2), node("mig").gpus(1, model="A100").mig(0, "1g.10gb"))
+    c.cordon("off").sick_gpu("ok", 1)
+    c.running(job("half").gpus(0.5).cpu(1000).build(), on=[("ok", [0])], job_id="half")
+    c.pending(job("wait").gpus(1).build(), "wait")
+    c.proj.jobs["gone"] = type(c.proj.jobs["wait"])("gone", c.proj.jobs["wait"].spec, state="succeeded")
+
+    snap = c.snapshot(now=5)
+
+    nodes = {n.node_id: n for n in snap.nodes}
+    assert [g.free_milli for g in nodes["ok"].gpus] == [500, 0]
+    assert nodes["ok"].cpu_free == 32_000 - 1000
+    assert [g.free_milli for g in nodes["off"].gpus] == [0, 0] and not nodes["off"].schedulable
+    assert nodes["mig"].gpus[0].free_milli == 0 and nodes["mig"].gpus[0].mig_slices[0].free
+    assert [j.job_id for j in snap.pending] == ["wait"]
+    assert [j.job_id for j in snap.running] == ["half"]
+
+
+def test_the_snapshot_holds_the_same_job_states_as_the_cluster() -> None:
+    from services.scheduler.snapshot import HOLDING
+    from shared.cluster import ACTIVE
+
+    assert HOLDING == ACTIVE
+
+
+def test_the_core_imports_no_bus_web_or_database() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, services.scheduler.core, services.scheduler.snapshot; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'nats', 'fastapi', 'sqlmodel', 'uvicorn'}))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
+    assert out.strip() == "[]"

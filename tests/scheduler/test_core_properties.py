@@ -248,3 +248,50 @@ def test_reclaim_takes_only_other_queues_gangs(c: ClusterBuilder, jobs: list[Job
     plan = run_cycle(c.snapshot(100.0), Policy(preempt=False), 100.0, reclaims=[ReclaimRequest("a", want)])
     queues = {j.job_id: j.spec.queue for j in c.proj.jobs.values()}
     assert all(queues[p.job_id] != "a" and p.for_queue == "a" for p in plan.preemptions)
+
+
+@st.composite
+def single_pod_workloads(draw):
+    nodes = [
+        node(f"n{i}").gpus(draw(st.sampled_from([1, 2, 4, 8])), model=draw(st.sampled_from(["G2", "T4"]))).pcie()
+        .cpu(draw(st.sampled_from([8_000, 32_000, 96_000]))).mem(draw(st.sampled_from([65_536, 393_216])))
+        for i in range(draw(st.integers(1, 6)))
+    ]
+    pods = []
+    for _ in range(draw(st.integers(1, 25))):
+        count = draw(st.sampled_from([0, 1, 1, 1, 2, 4, 8]))
+        milli = draw(st.sampled_from([250, 500, 810, 1000])) if count == 1 else 1000
+        pods.append((count, milli, draw(st.sampled_from([1_000, 4_000, 16_000])), draw(st.sampled_from([0, 8_192])),
+                     draw(st.sampled_from([(), ("G2",), ("T4",)]))))
+    return nodes, pods
+
+
+@given(single_pod_workloads(), st.sampled_from(POLICIES[:-1] + ["dotprod", "gpupacking", "gpuclustering"]), st.integers(0, 5))
+@PROPERTY
+def test_single_pods_are_placed_exactly_as_choose_node_places_them(workload, policy: str, seed: int) -> None:
+    from services.scheduler.equivalence import node_priorities
+    from services.scheduler.fragmentation import TypicalShape
+    from services.scheduler.placement import NodeFree, NodeScorer, PodShape, choose_node, take
+
+    builders, pods = workload
+    typical = (TypicalShape(4_000, 1000, 1, (), 0.5), TypicalShape(1_000, 500, 1, ("G2",), 0.3), TypicalShape(1_000, 0, 0, (), 0.2))
+    c = cluster(*builders)
+    for i, (count, milli, cpu, mem, models) in enumerate(pods):
+        gpus = count if milli == 1000 else milli / 1000
+        c.pending(JobSpec(name="p", resources=TaskResources(gpus=gpus, cpu_milli=cpu, memory_mib=mem),
+                          gpu=GpuConstraints(models=models)), f"p{i:02d}", at=i)
+    plan = run_cycle(c.snapshot(), Policy(name=policy, seed=seed, typical=typical, backfill=False, preempt=False))
+
+    infos = [b.build() for b in builders]
+    prio = node_priorities([i.node_id for i in infos], seed)
+    state = [NodeFree(i.node_id, prio[i.node_id], i.gpus[0].model, i.cpu_milli, i.memory_mib, [1000] * len(i.gpus)) for i in infos]
+    scorer = NodeScorer(policy, typical, seed)
+    expected = {}
+    for i, (count, milli, cpu, mem, models) in enumerate(pods):
+        pod = PodShape(cpu, mem, count, milli if count else 0, models)
+        got = choose_node(state, pod, scorer)
+        if got is not None:
+            take(state[got[0]], pod, got[1])
+            expected[f"p{i:02d}"] = (state[got[0]].name, tuple(f"GPU-{state[got[0]].name}-{g}" for g in got[1]))
+    placed = {j: (p.tasks[0].node_id, tuple(g.uuid for g in p.tasks[0].gpus)) for j, p in plan.placements.items()}
+    assert placed == expected

@@ -1,0 +1,139 @@
+"""The scheduler on the real stack: services in this loop, a real nats-server, nodes registered by events."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from shared import events as ev
+from shared.eventlog import EventLog
+from shared.events import Envelope
+from tests.builders import job, node
+from tests.support import eventually, in_process_stack
+
+
+async def register(log: EventLog, *nodes) -> None:
+    await log.append_many([Envelope(ev.NodeRegistered(node_id=n.node_id, node=n)) for n in nodes])
+
+
+async def submit(client: httpx.AsyncClient, spec) -> str:
+    r = await client.post("/v1/jobs", json=spec.model_dump(mode="json"))
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+async def job_state(client: httpx.AsyncClient, job_id: str) -> dict:
+    return (await client.get(f"/v1/jobs/{job_id}")).json()
+
+
+async def wait_state(client, job_id: str, state: str, timeout: float = 10) -> dict:
+    seen: dict = {}
+
+    async def check() -> bool:
+        seen.update(await job_state(client, job_id))
+        return seen.get("state") == state
+
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"{job_id} stayed {seen.get('state')} ({seen.get('reason')}), wanted {state}"
+        await asyncio.sleep(0.05)
+    return seen
+
+
+async def test_three_gangs_that_fit_only_one_way_are_all_placed_that_way(eventlog: EventLog):
+    async with in_process_stack(eventlog) as (client, _):
+        await register(eventlog, node("a").gpus(8).build(), node("b").gpus(4).build(), node("c").gpus(2).build())
+        # submitted largest-last: a greedy first fit would put the 2-GPU job on the 8-GPU node and strand the 8
+        ids = [await submit(client, job("two").gpus(2).build()), await submit(client, job("four").gpus(4).build()),
+               await submit(client, job("eight").gpus(8).build())]
+        nodes = []
+        for i in ids:
+            j = await wait_state(client, i, "placed")
+            nodes.append(j["placement"][0]["node"])
+        assert nodes == ["c", "b", "a"]
+
+
+async def test_a_gang_never_starts_partially_and_starts_when_a_cancel_frees_room(eventlog: EventLog):
+    async with in_process_stack(eventlog) as (client, services):
+        await register(eventlog, *(node(f"n{i}").gpus(8).rack("r1").build() for i in range(4)))
+        blocker = await submit(client, job("blocker").gpus(8).build())
+        await wait_state(client, blocker, "placed")
+        gang = await submit(client, job("gang").gpus(8).tasks(4).build())
+        waiting = await wait_state(client, gang, "queued")
+        await eventually(lambda: services["scheduler"].projection.jobs[gang].reason != "", what="a reason")
+        waiting = await job_state(client, gang)
+        assert waiting["placement"] == [] and "4" in waiting["reason"]
+        used = {u for n in (await client.get("/v1/nodes")).json() for g in n["gpus"] if g["allocated_milli"] for u in [g["uuid"]]}
+        assert len(used) == 8, "only the blocker holds GPUs: nothing of the gang"
+        assert (await client.delete(f"/v1/jobs/{blocker}")).status_code == 200
+        placed = await wait_state(client, gang, "placed")
+        assert sorted(p["node"] for p in placed["placement"]) == ["n0", "n1", "n2", "n3"]
+        assert (await client.delete(f"/v1/jobs/{blocker}")).status_code == 409
+
+
+async def test_a_four_gpu_task_lands_inside_one_nvlink_domain(eventlog: EventLog):
+    async with in_process_stack(eventlog) as (client, services):
+        nodes = [node(f"n{i}").gpus(8).nvlink_domains(2).build() for i in range(2)]
+        await register(eventlog, *nodes)
+        small = await submit(client, job("one").gpus(1).build())
+        await wait_state(client, small, "placed")
+        four = await wait_state(client, await submit(client, job("four").gpus(4).build()), "placed")
+        domains = {g.uuid: g.nvlink_domain for n in nodes for g in n.gpus}
+        assert len({domains[u] for u in four["placement"][0]["gpus"]}) == 1
+
+
+async def test_a_rack_job_lands_in_one_rack_or_waits(eventlog: EventLog):
+    async with in_process_stack(eventlog) as (client, _):
+        await register(eventlog, node("a1").gpus(8).rack("a").build(), node("b1").gpus(8).rack("b").build(),
+                       node("b2").gpus(8).rack("b").build())
+        blocker = await wait_state(client, await submit(client, job("blocker").gpus(8).build()), "placed")
+        rack_job = await submit(client, job("pair").gpus(8).tasks(2).topology("rack").build())
+        if blocker["placement"][0]["node"].startswith("b"):
+            j = await wait_state(client, rack_job, "queued")
+            assert j["placement"] == []
+        else:
+            j = await wait_state(client, rack_job, "placed")
+            assert sorted(p["node"] for p in j["placement"]) == ["b1", "b2"]
+
+
+BAD = [
+    ("negative gpus", {"name": "x", "resources": {"gpus": -1}}),
+    ("1.5 gpus", {"name": "x", "resources": {"gpus": 1.5}}),
+    ("unknown priority", {"name": "x", "priority": "urgent"}),
+    ("unknown queue", {"name": "x", "queue": "nope"}),
+    ("zero tasks", {"name": "x", "tasks": 0}),
+    ("10 MB name", {"name": "x" * 10_000_000}),
+    ("extra field", {"name": "x", "gpus": 2}),
+    ("tasks as string", {"name": "x", "tasks": "four"}),
+    ("gpus as list", {"name": "x", "resources": {"gpus": [1]}}),
+    ("no name", {"queue": "default"}),
+    ("empty name", {"name": ""}),
+    ("bad name chars", {"name": "rm -rf /"}),
+    ("unknown topology", {"name": "x", "topology": "galaxy"}),
+    ("negative time limit", {"name": "x", "time_limit_s": -5}),
+    ("too many tasks", {"name": "x", "tasks": 100_000}),
+    ("bad mig profile", {"name": "x", "gpu": {"mig": "huge"}}),
+    ("env not strings", {"name": "x", "env": {"A": 1}}),
+    ("command not a list", {"name": "x", "command": 5}),
+    ("shape no node holds", {"name": "x", "resources": {"gpus": 16}}),
+    ("model nobody has", {"name": "x", "gpu": {"models": ["B200"]}}),
+]
+
+
+async def test_malformed_submissions_get_422_with_a_reason_and_the_log_is_unchanged(eventlog: EventLog):
+    async with in_process_stack(eventlog) as (client, _):
+        await register(eventlog, node("n0").gpus(8, model="H100").build())
+        before = await eventlog.last_seq()
+        for label, body in BAD:
+            r = await client.post("/v1/jobs", json=body)
+            assert r.status_code == 422, f"{label}: {r.status_code} {r.text[:200]}"
+            detail = r.json()["detail"]
+            assert detail, label
+            if isinstance(detail, list):
+                assert all(d.get("msg") and d.get("loc") for d in detail), label
+        r = await client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 422
+        assert await eventlog.last_seq() == before

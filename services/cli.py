@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -43,12 +44,64 @@ def up(
     nats: Annotated[str | None, typer.Option("--nats", help="use this NATS instead of the embedded one")] = None,
     sync_always: Annotated[bool, typer.Option(help="fsync every write (slower; no acked write lost on power loss)")] = False,
     snapshot_every: Annotated[int, typer.Option(help="snapshot projections every N events")] = 10_000,
+    nodes: Annotated[str, typer.Option(help="simulated nodes to start, profile:count,... ('' for none)")] = Settings().nodes,
+    policy: Annotated[str, typer.Option(help="placement policy: fgd, bestfit, binpack, spread, random")] = "fgd",
 ) -> None:
-    """Start the whole stack: embedded nats-server, every service, the HTTP API. Ctrl-C stops it."""
+    """Start the whole stack: embedded nats-server, every service, simulated nodes, the HTTP API. Ctrl-C stops it."""
     stack.up(
-        Settings(port=port, data_dir=data_dir, nats_url=nats, sync_always=sync_always, snapshot_every=snapshot_every),
+        Settings(port=port, data_dir=data_dir, nats_url=nats, sync_always=sync_always, snapshot_every=snapshot_every,
+                 nodes=nodes, policy=policy),
         split=split,
     )
+
+
+@app.command()
+def agent(
+    node_id: Annotated[str, typer.Option("--node-id", help="this node's name")],
+    backend: Annotated[str, typer.Option(help="nvml (real GPUs) or simulated")] = "nvml",
+    profile: Annotated[str, typer.Option(help="simulated node profile: dgx-h100, hgx-a100-40gb, a100-pcie-2x2, l4-8x, t4-4x")] = "dgx-h100",
+    labels: Annotated[list[str] | None, typer.Option("--labels", help="k=v (repeatable, or comma-separated)")] = None,
+    rack: Annotated[str, typer.Option()] = "",
+    zone: Annotated[str, typer.Option()] = "",
+    nats: Annotated[str, typer.Option("--nats", envvar="GPUORCH_NATS_URL", help="NATS URL")] = "nats://127.0.0.1:4222",
+    port: Annotated[int, typer.Option(help="the agent's HTTP port (task logs)")] = 8090,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    address: Annotated[str, typer.Option(help="address gang peers use to reach this node")] = "127.0.0.1",
+    work_dir: Annotated[Path, typer.Option(help="task directories and logs")] = Path(".gpuorch-agent"),
+    pool: Annotated[str | None, typer.Option(help="node pool this node belongs to")] = None,
+    kill_tasks_on_exit: Annotated[bool, typer.Option(help="SIGKILL every task when the agent stops (simulated nodes)")] = False,
+) -> None:
+    """Run the node agent: discover GPUs, register, heartbeat, stream telemetry, run placed tasks."""
+    from services.inventory.agent import run_agent
+    from services.inventory.discovery import NvmlUnavailable, discover_nvml
+    from services.inventory.nvml_fake import FakeNvml
+    from services.inventory.profiles import UnknownProfile, build
+
+    pairs = [kv for item in labels or [] for kv in item.split(",") if kv]
+    if any("=" not in kv for kv in pairs):
+        fail("--labels takes k=v")
+    label_map = dict(kv.split("=", 1) for kv in pairs)
+    try:
+        if backend == "simulated":
+            node = build(profile, node_id, labels=label_map, rack=rack, zone=zone)
+            nvml: Any = FakeNvml(node)
+            nvml.nvmlInit()
+        elif backend == "nvml":
+            import pynvml
+
+            node = discover_nvml(pynvml, node_id=node_id, labels=label_map, rack=rack, zone=zone)
+            pynvml.nvmlInit()
+            nvml = pynvml
+        else:
+            fail(f"--backend is nvml or simulated, not {backend!r}")
+    except UnknownProfile as e:
+        fail(str(e))
+    except NvmlUnavailable as e:
+        fail(f"{e} (use --backend simulated on a machine without GPUs)")
+    node = node.model_copy(update={"address": address, "agent_url": f"http://{host}:{port}", "pool": pool,
+                                   "hostname": node.hostname or node_id})
+    stack.setup_logging(Settings().log_level)
+    asyncio.run(run_agent(node, nats, host, port, work_dir, nvml, kill_tasks_on_exit=kill_tasks_on_exit))
 
 
 @app.command()
@@ -198,6 +251,99 @@ def cancel(job_id: Annotated[str, typer.Argument()], url: UrlOpt = DEFAULT_URL, 
     """Cancel a job: its tasks are stopped and its GPUs freed."""
     job = api("DELETE", url, f"/v1/jobs/{job_id}")
     print_json(job) if as_json else console.print(f"cancelled {job_id}")
+
+
+@app.command()
+def logs(
+    job_id: Annotated[str, typer.Argument()],
+    task: Annotated[int, typer.Option("--task", "-t", help="task index (rank)")] = 0,
+    stderr: Annotated[bool, typer.Option("--stderr", help="stderr instead of stdout")] = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the job ends")] = False,
+    url: UrlOpt = DEFAULT_URL,
+) -> None:
+    """Print a task's output."""
+    import time
+
+    offset = 0
+    while True:
+        chunk = api("GET", url, f"/v1/jobs/{job_id}/logs", params={"task": task, "offset": offset,
+                                                                   "stream": "stderr" if stderr else "stdout"})
+        sys.stdout.write(chunk["data"])
+        sys.stdout.flush()
+        offset = chunk["next_offset"]
+        if not follow:
+            return
+        if not chunk["data"]:
+            if api("GET", url, f"/v1/jobs/{job_id}")["state"] in ("succeeded", "failed", "cancelled", "rejected"):
+                return
+            time.sleep(0.5)
+
+
+# --- nodes and queues ------------------------------------------------------------------
+
+
+@app.command()
+def nodes(url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """List nodes, like sinfo: state, GPU model, free/total GPUs, NVLink domains, labels, health."""
+    from rich.table import Table
+
+    rows = api("GET", url, "/v1/nodes")
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(box=None, header_style="bold")
+    for col in ("NODE", "STATE", "MODEL", "GPUS(free/total)", "NVLINK", "RACK", "LABELS", "HEALTH"):
+        table.add_column(col)
+    for n in rows:
+        gpus = n["gpus"]
+        models = ",".join(sorted({g["model"] for g in gpus})) or "-"
+        free = sum(1000 - g["allocated_milli"] for g in gpus if g["health"] == "healthy") / 1000
+        sick = [f"{g['index']}:{g['health_reason'] or 'unhealthy'}" for g in gpus if g["health"] != "healthy"]
+        table.add_row(n["id"], n["state"], models, f"{free:g}/{len(gpus)}", str(len(n["nvlink_domains"])), n["rack"] or "-",
+                      ",".join(f"{k}={v}" for k, v in n["labels"].items()) or "-", "; ".join(sick) or "ok")
+    console.print(table)
+
+
+@app.command()
+def queues(url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """List queues, like sshare."""
+    from rich.table import Table
+
+    rows = api("GET", url, "/v1/queues")
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(box=None, header_style="bold")
+    for col in ("QUEUE", "GUARANTEED", "LIMIT", "WEIGHT", "ALLOCATED", "PENDING"):
+        table.add_column(col)
+    for q in rows:
+        table.add_row(q["path"], f"{q['guaranteed']['gpus']:g}", "-" if q["limit"] is None else f"{q['limit']['gpus']:g}",
+                      f"{q['weight']:g}", f"{q['allocated']['gpus']:g}", f"{q['pending']['gpus']:g}")
+    console.print(table)
+
+
+def _node_action(action: str, node_id: str, url: str, body: dict | None = None) -> None:
+    res = api("POST", url, f"/v1/nodes/{node_id}/{action}", json=body or {})
+    console.print(f"{action}: {node_id} (seq {res['seq']})")
+
+
+@app.command()
+def cordon(node_id: str, reason: Annotated[str, typer.Option()] = "operator", url: UrlOpt = DEFAULT_URL) -> None:
+    """Stop placing work on a node; what runs there keeps running."""
+    _node_action("cordon", node_id, url, {"reason": reason})
+
+
+@app.command()
+def drain(node_id: str, grace: Annotated[int, typer.Option("--grace", help="seconds")] = 300,
+          reason: Annotated[str, typer.Option()] = "operator", url: UrlOpt = DEFAULT_URL) -> None:
+    """Cordon a node and move its jobs elsewhere after a grace period."""
+    _node_action("drain", node_id, url, {"grace_s": grace, "reason": reason})
+
+
+@app.command()
+def resume(node_id: str, url: UrlOpt = DEFAULT_URL) -> None:
+    """Make a cordoned or drained node schedulable again."""
+    _node_action("resume", node_id, url)
 
 
 # --- events ----------------------------------------------------------------------------

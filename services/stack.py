@@ -121,11 +121,54 @@ def up(settings: Settings, split: bool = False) -> None:
     with data_dir_lock(settings.data_dir), embedded_nats(settings) as server:
         nats_url = server.url if server else settings.nats_url or ""
         write_stack_file(settings, nats_url, split, server.proc.pid if server and server.proc else None)
-        if split:
-            _run_split(settings, nats_url)
-        else:
-            asyncio.run(_serve_one_process(settings, nats_url, SERVICES))
+        agents = spawn_agents(settings, nats_url, parse_nodes(settings.nodes))
+        try:
+            if split:
+                _run_split(settings, nats_url)
+            else:
+                asyncio.run(_serve_one_process(settings, nats_url, SERVICES))
+        finally:
+            stop_processes(agents)
         log.info("event=stack_stopped data_dir=%s", settings.data_dir)
+
+
+# --- simulated nodes ----------------------------------------------------------------
+
+
+def parse_nodes(spec: str) -> list[tuple[str, int]]:
+    """`dgx-h100:2,l4-8x:1` -> [("dgx-h100", 2), ("l4-8x", 1)]; raises SystemExit with the reason."""
+    from services.inventory.profiles import PROFILES
+
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        profile, _, count = item.partition(":")
+        if profile not in PROFILES:
+            raise SystemExit(f"error: unknown node profile {profile!r} in --nodes; known: {', '.join(PROFILES)}")
+        if count and not count.isdigit():
+            raise SystemExit(f"error: --nodes takes profile:count, got {item!r}")
+        out.append((profile, int(count or 1)))
+    return out
+
+
+def spawn_agents(settings: Settings, nats_url: str, nodes: list[tuple[str, int]]) -> list[subprocess.Popen]:
+    """One `gpuorch agent --backend simulated` process per simulated node: real processes run the tasks."""
+    procs, i = [], 0
+    logs = settings.data_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for profile, count in nodes:
+        for k in range(count):
+            node_id = f"{profile}-{k}"
+            port = free_port()
+            cmd = [sys.executable, "-m", "services.cli", "agent", "--backend", "simulated", "--profile", profile,
+                   "--node-id", node_id, "--nats", nats_url, "--port", str(port), "--host", settings.host,
+                   "--work-dir", str(settings.data_dir / "agents" / node_id), "--rack", f"r{i // 4}", "--zone", "z0",
+                   "--kill-tasks-on-exit"]
+            procs.append(subprocess.Popen(cmd, stdout=open(logs / f"agent-{node_id}.log", "ab"), stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+            i += 1
+    if procs:
+        log.info("event=agents_started nodes=%d", len(procs))
+    return procs
 
 
 # --- split mode ---------------------------------------------------------------------

@@ -63,6 +63,8 @@ class NodeInfo(Frozen):
     driver_version: str = ""
     cuda_version: str = ""
     pool: str | None = None
+    address: str = ""  # where gang peers reach this node (MASTER_ADDR)
+    agent_url: str = ""  # the agent's HTTP endpoint (task logs)
 
 
 # --- jobs ------------------------------------------------------------------------

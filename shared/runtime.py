@@ -251,6 +251,15 @@ class Service:
         if self._since_snapshot >= self.snapshot_every:
             await self.save_snapshot()
 
+    async def caught_up(self, seq: int, timeout: float = 2.0) -> bool:
+        """Wait until this service has folded ``seq`` (read-your-writes for an API that just appended)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.projection.seq < seq:
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
     async def emit(self, *events: Event, expected_last_subject_seq: int | None = None, epoch: int | None = None) -> list[int]:
         """Append events as this service (source ``/gpuorch/<name>``); one with an expected sequence is checked."""
         assert self.log is not None, "service is not running"

@@ -22,3 +22,4 @@ class Settings(BaseSettings):
     policy: str = "fgd"
     db_url: str | None = None  # read models: SQLite file under data_dir by default, PostgreSQL by URL
     log_level: str = "INFO"
+    nodes: str = "dgx-h100:2,l4-8x:1,t4-4x:1"  # simulated agents `gpuorch up` starts: profile:count,...

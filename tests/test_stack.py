@@ -30,14 +30,15 @@ def alive(pid: int) -> bool:
 
 
 class Stack:
-    def __init__(self, data_dir: Path, split: bool = False):
-        self.data_dir, self.split, self.port = data_dir, split, free_port()
+    def __init__(self, data_dir: Path, split: bool = False, nodes: str = ""):
+        self.data_dir, self.split, self.port, self.nodes = data_dir, split, free_port(), nodes
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Stack":
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--data-dir", str(self.data_dir)]
+        cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--data-dir", str(self.data_dir),
+               "--nodes", self.nodes]
         self.proc = subprocess.Popen(cmd + (["--split"] if self.split else []), start_new_session=True,
                                      stdout=open(self.data_dir / "up.out", "ab"), stderr=subprocess.STDOUT)
         wait_until(self.all_ready, 30, "every service to be ready")

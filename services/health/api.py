@@ -34,6 +34,7 @@ def router(svc: Service) -> APIRouter:
     async def cordon(node_id: str, body: CordonRequest | None = None) -> dict[str, Any]:
         _known(node_id)
         seq = (await svc.emit(ev.NodeCordoned(node_id=node_id, reason=(body or CordonRequest()).reason)))[0]
+        await svc.caught_up(seq)
         return {"node": node_id, "cordoned": True, "seq": seq}
 
     @r.post("/v1/nodes/{node_id}/drain")
@@ -41,12 +42,14 @@ def router(svc: Service) -> APIRouter:
         _known(node_id)
         body = body or DrainRequest()
         seq = (await svc.emit(ev.NodeDrainRequested(node_id=node_id, grace_s=body.grace_s, reason=body.reason)))[0]
+        await svc.caught_up(seq)
         return {"node": node_id, "draining": True, "grace_s": body.grace_s, "seq": seq}
 
     @r.post("/v1/nodes/{node_id}/resume")
     async def resume(node_id: str) -> dict[str, Any]:
         _known(node_id)
         seq = (await svc.emit(ev.NodeResumed(node_id=node_id)))[0]
+        await svc.caught_up(seq)
         return {"node": node_id, "cordoned": False, "seq": seq}
 
     return r

@@ -37,6 +37,7 @@ def router(svc: Service) -> APIRouter:
             raise HTTPException(422, "queue path is a dotted path of lowercase names, e.g. research.nlp")
         event = ev.QueueUpdated(path=path, spec=spec) if path in proj.queues else ev.QueueDefined(path=path, spec=spec)
         seq = (await svc.emit(event))[0]
+        await svc.caught_up(seq)
         return {"path": path, **spec.model_dump(mode="json"), "seq": seq}
 
     return r

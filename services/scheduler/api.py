@@ -60,13 +60,14 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         job_id = new_id("j-")
         source = "/gpuorch/scheduler"
         assert svc.log is not None
-        await svc.log.append_many([
+        seqs = await svc.log.append_many([
             Envelope(ev.JobSubmitted(job_id=job_id, spec=spec), id=f"{job_id}-submitted", source=source),
             Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source),
         ])
         scheduler.wake.set()
-        view = job_view(JobRecord(job_id, spec, state="queued"))
-        return view
+        await svc.caught_up(seqs[-1])
+        job = proj.jobs.get(job_id) or JobRecord(job_id, spec, state="queued")
+        return job_view(job)
 
     @r.get("/v1/jobs")
     def list_jobs(
@@ -96,7 +97,35 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                        source="/gpuorch/scheduler")
         seq = await svc.log.append(env)
         scheduler.wake.set()
-        return {**job_view(job), "state": "cancelled", "seq": seq}
+        await svc.caught_up(seq)
+        return {**job_view(proj.jobs.get(job_id, job)), "seq": seq}
+
+    @r.get("/v1/jobs/{job_id}/logs")
+    async def job_logs(
+        job_id: str,
+        task: Annotated[int, Query(ge=0)] = 0,
+        stream: Annotated[str, Query(pattern="^(stdout|stderr)$")] = "stdout",
+        offset: Annotated[int, Query(ge=0)] = 0,
+    ) -> dict[str, Any]:
+        """A task's output, fetched from the agent of the node it ran on (``offset`` to follow)."""
+        import httpx
+
+        job = known(job_id)
+        placement = next((p for p in job.placements if p.task == task), None)
+        if placement is None:
+            raise HTTPException(404, f"task {task} of job {job_id} has not been placed ({job.state})")
+        node = proj.nodes.get(placement.node_id)
+        if node is None or not node.info.agent_url:
+            raise HTTPException(404, f"node {placement.node_id} has no agent to read logs from")
+        try:
+            async with httpx.AsyncClient(timeout=10) as client:
+                resp = await client.get(f"{node.info.agent_url}/v1/agent/logs/{job_id}",
+                                        params={"task": task, "stream": stream, "offset": offset})
+        except httpx.HTTPError as e:
+            raise HTTPException(503, f"agent of {placement.node_id} unreachable: {e!r}") from None
+        if resp.status_code != 200:
+            raise HTTPException(resp.status_code, resp.json().get("detail", resp.text))
+        return resp.json()
 
     @r.get("/v1/jobs/{job_id}/events")
     async def job_events(job_id: str) -> list[dict[str, Any]]:

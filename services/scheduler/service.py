@@ -161,19 +161,22 @@ class Scheduler:
         job = self.proj.jobs.get(env.data.job_id)
         if job is None or job.state not in ACTIVE:
             return
-        failed = [c for c in job.tasks_exited.values() if c not in (0, None)]
         if job.state == "preempting":
             if not job.tasks_running:
                 await self.requeue(job.job_id, f"exit-{env.id}")
             return
-        if failed and job.state != "preempting":
-            await self._decide(env, ev.JobFailed(job_id=job.job_id, code=failed[0], reason=f"task exited with code {failed[0]}"))
-        elif len(job.tasks_exited) == job.spec.tasks:
-            lost = [t for t, c in job.tasks_exited.items() if c is None]
-            if lost:
-                await self._decide(env, ev.JobFailed(job_id=job.job_id, reason=f"task {lost[0]} was killed by a signal"))
-            else:
+        e = env.data
+        if e.code == 0:
+            if len(job.tasks_exited) == job.spec.tasks and all(c == 0 for c in job.tasks_exited.values()):
                 await self._decide(env, ev.JobSucceeded(job_id=job.job_id))
+            return
+        if e.code is not None:
+            why = f"task {e.task} exited with code {e.code}"
+        elif e.signal is not None:
+            why = f"task {e.task} was killed by signal {e.signal}"
+        else:
+            why = f"task {e.task}: {e.reason or 'ended without an exit status'}"
+        await self._decide(env, ev.JobFailed(job_id=job.job_id, code=e.code, reason=why))
 
     async def _decide(self, trigger: Envelope, event: ev.Event) -> None:
         assert self.svc.log is not None

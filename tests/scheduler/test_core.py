@@ -10,6 +10,7 @@ import pytest
 from services.scheduler.core import Plan, Policy, ReclaimRequest, run_cycle
 from services.scheduler.fragmentation import TypicalShape, fgd_score, typical_shapes
 from services.scheduler.placement import NodeFree, NodeScorer, PodShape, choose_node, take
+from shared.cluster import JobRecord
 from tests.builders import cluster, gpu_uuid, job, node
 
 
@@ -546,7 +547,7 @@ def test_the_snapshot_shows_only_what_can_be_used() -> None:
     c.cordon("off").sick_gpu("ok", 1)
     c.running(job("half").gpus(0.5).cpu(1000).build(), on=[("ok", [0])], job_id="half")
     c.pending(job("wait").gpus(1).build(), "wait")
-    c.proj.jobs["gone"] = type(c.proj.jobs["wait"])("gone", c.proj.jobs["wait"].spec, state="succeeded")
+    c.proj.jobs["gone"] = JobRecord("gone", c.proj.jobs["wait"].spec, state="succeeded")
 
     snap = c.snapshot(now=5)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +22,8 @@ from shared.cluster import ClusterProjection, JobRecord
 from shared.model import MILLI, PRIORITY_RANK, GpuConstraints, JobSpec, TaskResources
 from tests.builders import ClusterBuilder, cluster, node
 
-PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = int(os.environ.get("GPUORCH_PROPERTY_EXAMPLES", "80"))  # raise it for a longer hunt
+PROPERTY = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 POLICIES = ["fgd", "bestfit", "binpack", "spread", "random"]
 
 

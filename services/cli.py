@@ -23,7 +23,7 @@ from services import stack
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="gpuorch: a GPU cluster orchestrator.")
 events_app = typer.Typer(no_args_is_help=True, help="The event log: follow, replay, verify, export schemas.")
 app.add_typer(events_app, name="events")
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 250)  # piped output is never cut to 80 columns
 err = Console(stderr=True)
 
 NatsOpt = Annotated[str | None, typer.Option("--nats", help="NATS URL of a running stack")]

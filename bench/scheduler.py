@@ -166,7 +166,10 @@ def main() -> None:
     args = ap.parse_args()
     state = f"{args.busy:.0%} of GPUs busy" if args.busy else "empty cluster"
     print(f"run_cycle, policy {args.policy}, {args.jobs} pending jobs, {args.runs} runs per size, {state}")
-    header = f"{'nodes':>6} {'GPUs':>6} {'placed jobs':>11} {'tasks':>6} {'GPUs used':>9} {'p50 s':>7} {'p99 s':>7} {'tasks/s':>8} {'jobs/s':>7} {'peak MiB':>8}"
+    header = (
+        f"{'nodes':>6} {'GPUs':>6} {'placed jobs':>11} {'tasks':>6} {'GPUs used':>9} {'p50 s':>7} {'p99 s':>7} "
+        f"{'tasks/s':>8} {'jobs/s':>7} {'peak MiB':>8}"
+    )
     print(header)
     for n in args.nodes:
         r = measure(n, args.jobs, args.runs, args.policy, args.busy)

@@ -13,6 +13,7 @@ from typing import Any
 
 from shared import events as ev
 from shared.events import Envelope, TaskPlacement
+from shared.fairshare import Division, accrue, divide
 from shared.model import MILLI, JobSpec, NodeInfo, QueueSpec
 from shared.runtime import Projection
 
@@ -96,6 +97,7 @@ class JobRecord:
 
 
 DEFAULT_QUEUE = "default"
+ACCOUNTING_BUCKET_S = 600  # GPU-seconds are kept per queue per 10-minute bucket
 KEEP_FINISHED = 5000  # finished jobs kept in memory; older ones are read back from the log on demand
 
 
@@ -108,6 +110,7 @@ class ClusterProjection(Projection):
         self.jobs: dict[str, JobRecord] = {}
         self.queues: dict[str, QueueSpec] = {DEFAULT_QUEUE: QueueSpec()}
         self.finished: dict[str, None] = {}  # ended job ids, oldest first (an ordered set)
+        self.accounting: dict[str, dict[int, float]] = {}  # queue -> bucket -> GPU-seconds of ended holdings
         self.now = 0.0  # time of the last event folded: the projection's clock
 
     def apply(self, env: Envelope) -> bool:
@@ -256,6 +259,43 @@ class ClusterProjection(Projection):
         if job.state in ACTIVE:
             for p in job.placements:
                 self._reserve(p, -1)
+            if job.placed_at is not None:
+                self._account(job.spec.queue, job.gpu_milli_total / MILLI, job.placed_at, self.now)
+
+    def _account(self, queue: str, gpus: float, start: float, end: float) -> None:
+        buckets = self.accounting.setdefault(queue, {})
+        t = start
+        while t < end:
+            b = int(t // ACCOUNTING_BUCKET_S)
+            upto = min(end, (b + 1) * ACCOUNTING_BUCKET_S)
+            buckets[b] = buckets.get(b, 0.0) + gpus * (upto - t)
+            t = upto
+
+    def gpu_seconds(self, since: float, until: float) -> dict[str, float]:
+        """GPU-seconds per queue held in [since, until): ended holdings by bucket, running jobs exactly."""
+        out: dict[str, float] = {}
+        for queue, buckets in self.accounting.items():
+            for b, v in buckets.items():
+                lo, hi = b * ACCOUNTING_BUCKET_S, (b + 1) * ACCOUNTING_BUCKET_S
+                overlap = max(0.0, min(hi, until) - max(lo, since))
+                if overlap:
+                    out[queue] = out.get(queue, 0.0) + v * overlap / ACCOUNTING_BUCKET_S
+        for job in self.jobs.values():
+            if job.state in ACTIVE and job.placed_at is not None:
+                held = max(0.0, until - max(job.placed_at, since))
+                out[job.spec.queue] = out.get(job.spec.queue, 0.0) + job.gpu_milli_total / MILLI * held
+        return out
+
+    def decayed_usage(self, now: float, half_life: float) -> dict[str, float]:
+        """Time-decayed GPU-seconds per queue (Slurm's PriorityDecayHalfLife), from the accounting buckets."""
+        out: dict[str, float] = {}
+        for queue, buckets in self.accounting.items():
+            out[queue] = sum(v * 2.0 ** (-(now - (b + 0.5) * ACCOUNTING_BUCKET_S) / half_life) for b, v in buckets.items())
+        for job in self.jobs.values():
+            if job.state in ACTIVE and job.placed_at is not None:
+                out[job.spec.queue] = out.get(job.spec.queue, 0.0) + accrue(0.0, job.gpu_milli_total / MILLI,
+                                                                            now - job.placed_at, half_life)
+        return out
 
     def on_job_task_started(self, env: Envelope, e: ev.JobTaskStarted) -> None:
         if job := self._job(env, e.job_id, {"placed", "running", "preempting"}):
@@ -308,6 +348,32 @@ class ClusterProjection(Projection):
         if job := self._job(env, e.job_id, ACTIVE):
             job.timed_out = True
 
+    # --- queues as the fair share sees them ---------------------------------------------
+
+    def capacity_gpus(self) -> float:
+        """Healthy GPUs on schedulable nodes: what can be divided now."""
+        return float(sum(
+            1 for n in self.nodes.values() if n.schedulable
+            for g in n.info.gpus if g.healthy and g.uuid not in n.unhealthy
+        ))
+
+    def queue_load(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(allocated, pending) GPUs per leaf queue."""
+        alloc: dict[str, float] = {}
+        pending: dict[str, float] = {}
+        for job in self.jobs.values():
+            gpus = job.gpu_milli_total / MILLI
+            if job.state in ACTIVE:
+                alloc[job.spec.queue] = alloc.get(job.spec.queue, 0.0) + gpus
+            elif job.state in PENDING:
+                pending[job.spec.queue] = pending.get(job.spec.queue, 0.0) + gpus
+        return alloc, pending
+
+    def division(self, now: float, half_life_s: float) -> Division:
+        alloc, pending = self.queue_load()
+        demand = {q: alloc.get(q, 0.0) + pending.get(q, 0.0) for q in set(alloc) | set(pending)}
+        return divide(self.capacity_gpus(), self.queues, demand, self.decayed_usage(now, half_life_s))
+
     # --- state -----------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
@@ -317,6 +383,7 @@ class ClusterProjection(Projection):
             "jobs": {k: v.to_json() for k, v in self.jobs.items()},
             "queues": {k: v.model_dump(mode="json") for k, v in self.queues.items()},
             "finished": list(self.finished),
+            "accounting": {q: {str(b): v for b, v in bs.items()} for q, bs in self.accounting.items()},
         }
 
     def load(self, state: dict[str, Any]) -> None:
@@ -325,3 +392,4 @@ class ClusterProjection(Projection):
         self.jobs = {k: JobRecord.from_json(v) for k, v in state["jobs"].items()}
         self.queues = {k: QueueSpec.model_validate(v) for k, v in state["queues"].items()}
         self.finished = dict.fromkeys(state["finished"])
+        self.accounting = {q: {int(b): v for b, v in bs.items()} for q, bs in state["accounting"].items()}

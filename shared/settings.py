@@ -20,6 +20,9 @@ class Settings(BaseSettings):
     cycle_interval_s: float = 2.0  # scheduler and other deciders run at least this often
     debounce_s: float = 0.05
     policy: str = "fgd"
+    half_life_s: float = 7 * 86400  # decayed usage for fair share, as Slurm's PriorityDecayHalfLife
+    reclaim_grace_s: int = 300  # grace a job gets when quota reclaims its GPUs
+    max_preemptions_per_hour: int = 3  # thrashing guard: a job preempted this often is left alone
     db_url: str | None = None  # read models: SQLite file under data_dir by default, PostgreSQL by URL
     log_level: str = "INFO"
     nodes: str = "dgx-h100:2,l4-8x:1,t4-4x:1"  # simulated agents `gpuorch up` starts: profile:count,...

@@ -10,79 +10,27 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from services.scheduler.fragmentation import TypicalShape, typical_shapes
 from services.scheduler.gang import GangFit, capacity, place_gang
-from services.scheduler.placement import POLICIES, NodeScorer
+from services.scheduler.placement import NodeScorer
+from services.scheduler.plan import Placement, Plan, Policy, Preemption, ReclaimRequest, Reservation
 from services.scheduler.preemption import VictimSearch, lost_gpu_seconds
 from services.scheduler.reasons import explain, held_back
 from services.scheduler.shapes import TaskShape
 from services.scheduler.snapshot import PendingJob, RunningJob, Snapshot
 from services.scheduler.workstate import LONG, NOW, Footprint, WorkState
 from shared.events import GpuShare, TaskPlacement
-from shared.model import MILLI, PRIORITY_RANK
+from shared.model import MILLI
+
+__all__ = [
+    "Cycle", "Placement", "Plan", "Policy", "Preemption", "ReclaimRequest", "Reservation", "reclaim", "run_cycle",
+]
 
 
-@dataclass(frozen=True)
-class Policy:
-    """How a cycle decides. ``name`` picks the node scorer (see placement.POLICIES)."""
-
-    name: str = "fgd"
-    seed: int = 0
-    typical: tuple[TypicalShape, ...] | None = None  # FGD's target workload; None: from the snapshot's jobs
-    backfill: bool = True  # False: no reservation, any job that fits starts
-    preempt: bool = True
-    cross_queue_preemption: bool = False
-    preemptible_below: int = PRIORITY_RANK["normal"]  # only ranks below this are ever evicted for priority
-    grace_s: int = 30
-    max_preemptors: int = 16  # victim searches per cycle; the rest wait for the next cycle
-
-    def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise ValueError(f"unknown policy {self.name!r}; choose one of {', '.join(POLICIES)}")
-
-
-@dataclass(frozen=True)
-class Placement:
-    job_id: str
-    tasks: tuple[TaskPlacement, ...]
-    spread: str  # tightest level the gang reached: nvlink | node | rack | zone | any
-    policy: str
-
-
-@dataclass(frozen=True)
-class Preemption:
-    job_id: str
-    reason: str
-    grace_s: int = 30
-    for_job: str = ""  # the preemptor; empty for a reclaim
-    for_queue: str = ""
-
-
-@dataclass(frozen=True)
-class Reservation:
-    job_id: str
-    start: float  # when enough should be free (inf: waits on jobs without a time limit)
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ReclaimRequest:
-    queue: str
-    gpus: float
-
-
-@dataclass(frozen=True)
-class Plan:
-    policy: str
-    placements: Mapping[str, Placement] = field(default_factory=dict)
-    preemptions: tuple[Preemption, ...] = ()
-    unschedulable: Mapping[str, str] = field(default_factory=dict)
-    reservation: Reservation | None = None
-
-
-def typical_from_snapshot(snapshot: Snapshot, shapes: Mapping[str, TaskShape] | None = None) -> tuple[TypicalShape, ...]:
+def typical_from_snapshot(
+    snapshot: Snapshot, shapes: Mapping[str, TaskShape] | None = None
+) -> tuple[TypicalShape, ...]:
     """FGD's target workload from the task shapes now pending and running (each task counts once)."""
     shapes = shapes or {}
     counts: dict[tuple[int, int, int, tuple[str, ...]], int] = {}
@@ -135,7 +83,7 @@ class Cycle:
     # --- order --------------------------------------------------------------------------
 
     def order(self) -> Iterator[PendingJob]:
-        """Queues furthest below their entitlement first (by name without entitlements); in a queue, priority then age."""
+        """Queues furthest below their entitlement first (by name without entitlements); then priority, then age."""
         by_queue: dict[str, list[PendingJob]] = {}
         for j in job_order(self.snap.pending):
             by_queue.setdefault(j.queue, []).append(j)
@@ -198,13 +146,15 @@ class Cycle:
                     uuid = node.slice_uuids[g][bit.bit_length() - 1]
                     shares.append(GpuShare.model_construct(uuid=uuid, milli=MILLI, mig_profile=shape.mig))
                 else:
-                    shares.append(GpuShare.model_construct(uuid=node.gpu_uuids[g], milli=shape.milli, mig_profile=None))
+                    uuid = node.gpu_uuids[g]
+                    shares.append(GpuShare.model_construct(uuid=uuid, milli=shape.milli, mig_profile=None))
             tasks.append(
                 TaskPlacement.model_construct(
                     task=t, node_id=node.node_id, gpus=tuple(shares), cpu_milli=shape.cpu, memory_mib=shape.mem
                 )
             )
-            fp.append((idx, tuple((g, bit, MILLI if bit else shape.milli) for g, bit in pick), shape.cpu, shape.mem, None))
+            held = tuple((g, bit, MILLI if bit else shape.milli) for g, bit in pick)
+            fp.append((idx, held, shape.cpu, shape.mem, None))
         self.placements[job.job_id] = Placement(job.job_id, tuple(tasks), fit.spread, self.policy.name)
         self.allocated[job.queue] = self.allocated.get(job.queue, 0.0) + shape.gpu_milli * job.spec.tasks / MILLI
         limit = job.spec.time_limit_s
@@ -340,7 +290,8 @@ class Cycle:
             below = min(job.priority_rank, self.policy.preemptible_below)
             scope = queues if self.policy.cross_queue_preemption else [job.queue]
             keys = [(q, rank) for q in scope for rank in range(below) if (q, rank) in groups]
-            memo = (self.sid(job), job.spec.topology, job.spec.tasks, below, "*" if self.policy.cross_queue_preemption else job.queue)
+            scope_key = "*" if self.policy.cross_queue_preemption else job.queue
+            memo = (self.sid(job), job.spec.topology, job.spec.tasks, below, scope_key)
             if not keys or memo in failed or not self.ever_fits(job):
                 continue
             if tries >= self.policy.max_preemptors:
@@ -421,3 +372,15 @@ def run_cycle(
     cycle.preempt()
     cycle.reclaim(reclaims)
     return cycle.plan()
+
+
+def reclaim(
+    snapshot: Snapshot,
+    requests: Sequence[ReclaimRequest | tuple[str, float]],
+    policy: Policy | None = None,
+    now: float = 0.0,
+) -> tuple[Preemption, ...]:
+    """Only the reclaim action: which gangs of other queues to evict so these queues get their GPUs."""
+    cycle = Cycle(snapshot, policy or Policy(), now)
+    cycle.reclaim(requests)
+    return tuple(cycle.preemptions)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import islice
+from typing import NamedTuple
 from dataclasses import dataclass, replace
 
 from services.scheduler.equivalence import Cand, Pick, Site
@@ -41,8 +42,7 @@ class Capacity:
         return self.at(widest(topology)) >= tasks
 
 
-@dataclass(frozen=True, slots=True)
-class Unit:
+class Unit(NamedTuple):
     """Nodes of one class in one site (or one reserved node), each holding ``cap`` tasks."""
 
     cap: int
@@ -157,10 +157,12 @@ def _spread_plan(ws: WorkState, sid: int, tasks: int, level: str, units: list[Un
         for u in chosen:
             rack_total[u.site] = rack_total.get(u.site, 0) + u.cap * u.count
         det = ws.scorer.deterministic
-        order = sorted(
-            chosen,
-            key=lambda u: (-u.cap, -rack_total[u.site], u.site, _neg(ws.score(u.cand.cls, sid)) if det else 0, _prio(ws, u.cand)),
-        )
+
+        def preference(u: Unit) -> tuple:
+            score = _neg(ws.score(u.cand.cls, sid)) if det else 0
+            return (-u.cap, -rack_total[u.site], u.site, score, _prio(ws, u.cand))
+
+        order = sorted(chosen, key=preference)
         plan, left = [], tasks
         for u in order:
             for idx in _members(ws, u):

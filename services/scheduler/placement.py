@@ -1,4 +1,4 @@
-"""Node scoring policies over a light node state: FGD, BestFit, bin-packing, spreading, random, and the FGD paper's baselines.
+"""Node scoring over a light node state: FGD, BestFit, bin-packing, spreading, random, and FGD's baselines.
 
 ``choose_node`` places one pod the way the FGD simulator does (FGD_METHOD.md §1, §3, §6):
 filter feasible nodes, score each, take the highest score, break ties by the

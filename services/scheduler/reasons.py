@@ -110,7 +110,9 @@ def _gpu_filters(s: TaskShape) -> list[tuple[str, Callable[[GpuSnap], bool]]]:
         filters.append((f"GPUs with at least {s.min_memory_mib} MiB", lambda g: g.memory_mib >= s.min_memory_mib))
     if s.min_cc:
         want = s.min_cc
-        filters.append((f"compute capability {want[0]}.{want[1]}", lambda g: (parse_cc(g.compute_capability) or (0, 0)) >= want))
+        filters.append(
+            (f"compute capability {want[0]}.{want[1]}", lambda g: (parse_cc(g.compute_capability) or (0, 0)) >= want)
+        )
     if s.mig:
         filters.append((f"MIG {s.mig} slices", lambda g: g.mig_enabled and any(x.profile == s.mig for x in g.mig_slices)))
     elif s.gpus:
@@ -162,7 +164,8 @@ def explain(
     where = {"rack": f" (rack {now.rack_site[1] or '-'})", "zone": f" (zone {now.zone_name or '-'})"}.get(level, "")
     scope = f"one {level}" if level != "any" else "the cluster"
     tail = "" if now.node >= UNBOUNDED else f"; at most {now.node} on one node ({now.node_id or 'none'})"
-    return f"{what}; only {min(fit, UNBOUNDED)} of {tasks} tasks fit in {scope} now{where}{tail}" + _cpu_mem(ws, sid, mode, 1)
+    short = f"only {min(fit, UNBOUNDED)} of {tasks} tasks fit in {scope} now{where}{tail}"
+    return f"{what}; {short}" + _cpu_mem(ws, sid, mode, 1)
 
 
 def held_back(job_id: str, start: float, now: float, nodes: Sequence[str], limit: int | None) -> str:

@@ -66,7 +66,7 @@ class WorkState:
         sig = (
             tuple(g.model for g in snap.gpus),
             tuple(g.memory_mib for g in snap.gpus),
-            tuple(parse_cc(g.compute_capability) for g in snap.gpus),
+            tuple(g.compute_capability for g in snap.gpus),
             tuple(domains),
             tuple(tuple(s.profile for s in g.mig_slices) if g.mig_enabled else None for g in snap.gpus),
             tuple(sorted(snap.labels.items())),
@@ -74,7 +74,8 @@ class WorkState:
         )
         t = self._types.get(sig)
         if t is None:
-            t = self._types[sig] = NodeType(len(self._types), *sig)
+            models, memory, cc, *rest = sig
+            t = self._types[sig] = NodeType(len(self._types), models, memory, tuple(parse_cc(c) for c in cc), *rest)
         return t
 
     def _add(self, snap: NodeSnap, prio: int, empty: bool) -> None:
@@ -104,11 +105,15 @@ class WorkState:
 
     # --- classes and their index -----------------------------------------------------
 
-    def _key(self, t: NodeType, free: Sequence[int], cpu: int, mem: int, mig: Sequence[int], tags: dict[str, int]) -> tuple:
+    def _key(
+        self, t: NodeType, free: Sequence[int], cpu: int, mem: int, mig: Sequence[int], tags: dict[str, int]
+    ) -> tuple:
         tag_key = tuple(sorted((k, v) for k, v in tags.items() if v)) if self.tagged else ()
         return (t.id, tuple(free), cpu, mem, tuple(mig), tag_key)
 
-    def class_of(self, t: NodeType, free: Sequence[int], cpu: int, mem: int, mig: Sequence[int], tags: dict[str, int]) -> NodeClass:
+    def class_of(
+        self, t: NodeType, free: Sequence[int], cpu: int, mem: int, mig: Sequence[int], tags: dict[str, int]
+    ) -> NodeClass:
         key = self._key(t, free, cpu, mem, mig, tags)
         cls = self.classes.get(key)
         if cls is None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.core import Plan, Policy, ReclaimRequest, run_cycle
+from services.scheduler.core import Plan, Policy, ReclaimRequest, reclaim, run_cycle
 from services.scheduler.fragmentation import TypicalShape, fgd_score, typical_shapes
 from services.scheduler.placement import NodeFree, NodeScorer, PodShape, choose_node, take
 from shared.cluster import JobRecord
@@ -50,6 +50,17 @@ def test_a_gang_waits_rather_than_starting_part_of_its_tasks() -> None:
     assert plan.unschedulable["train"] == (
         "needs 4 tasks × 8 GPUs; the cluster can never hold it: at most 3 such tasks fit in the whole cluster, even empty"
     )
+
+
+def test_a_gang_waits_whole_when_one_of_four_nodes_is_busy() -> None:
+    c = cluster(*(node(f"n{i}").gpus(8) for i in range(4)))
+    c.running(job("other").gpus(1).build(), on=[("n3", [0])])
+    c.pending(job("train").gpus(8).tasks(4).build(), "train")
+
+    plan = run_cycle(c.snapshot(), Policy(backfill=False))
+
+    assert plan.placements == {}
+    assert plan.unschedulable["train"] == "needs 4 tasks × 8 GPUs; only 3 of 4 tasks fit in the cluster now; at most 1 on one node (n2)"
 
 
 def test_a_gang_that_fits_is_placed_whole_with_one_task_per_rank() -> None:
@@ -453,6 +464,7 @@ def test_reclaim_evicts_gangs_of_queues_over_their_entitlement() -> None:
     )
 
     assert [(p.job_id, p.for_queue) for p in plan.preemptions] == [("b1", "owner")]
+    assert reclaim(c.snapshot(now=100, entitlements={"owner": 6, "borrower": 2}), [("owner", 4)], now=100) == plan.preemptions
 
 
 # --- determinism and policies ----------------------------------------------------------

@@ -1,0 +1,108 @@
+"""Node-agent benchmark: tasks started per second on one agent, and the CPU cost of an idle agent.
+
+    python -m bench.agent [--tasks 200] [--idle-seconds 20]
+
+The agent runs as its own process (`gpuorch agent --backend simulated`, a DGX H100
+profile), heartbeating and sampling telemetry every second. Tasks are placed by
+appending job events directly (no scheduler in the loop); each runs `true` under
+the launcher. Target: heartbeats + telemetry at a 1 s interval cost <= 2% of one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from services.inventory.profiles import build
+from shared import events as ev
+from shared.eventlog import EventLog
+from shared.events import Envelope, GpuShare, TaskPlacement
+from shared.model import JobSpec, TaskResources
+from shared.natsd import NatsServer, free_port
+
+CPU_TARGET_PCT = 2.0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def count(log: EventLog, type_: str) -> int:
+    return len([r async for r in log.replay(1, ["gpuorch.events.job.>"]) if getattr(r, "type", "").endswith(f"{type_}.v1")])
+
+
+async def run(tasks: int, idle_s: float, work: Path) -> dict:
+    server = NatsServer(work / "nats").start()
+    log = await EventLog.connect(server.url)
+    node = build("dgx-h100", "bench-0")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "agent", "--backend", "simulated", "--profile", "dgx-h100", "--node-id",
+         node.node_id, "--nats", server.url, "--port", str(free_port()), "--work-dir", str(work / "agent"),
+         "--kill-tasks-on-exit"],
+        stdout=open(work / "agent.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while await log.last_seq() == 0:  # node.registered
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2)
+        c0, t0 = cpu_seconds(agent.pid), time.perf_counter()
+        await asyncio.sleep(idle_s)
+        idle_pct = 100 * (cpu_seconds(agent.pid) - c0) / (time.perf_counter() - t0)
+
+        spec = JobSpec(name="t", resources=TaskResources(gpus=0.001), command=("true",))
+        envs = []
+        for i in range(tasks):
+            gpu = node.gpus[i % len(node.gpus)]
+            placement = TaskPlacement(task=0, node_id=node.node_id, gpus=(GpuShare(uuid=gpu.uuid, milli=1),))
+            envs += [Envelope(ev.JobSubmitted(job_id=f"b{i}", spec=spec)), Envelope(ev.JobQueued(job_id=f"b{i}")),
+                     Envelope(ev.JobPlaced(job_id=f"b{i}", placements=(placement,)))]
+        t0 = time.perf_counter()
+        await log.append_many(envs)
+        started = 0
+        while started < tasks:
+            await asyncio.sleep(0.2)
+            started = await count(log, "task_started")
+        start_rate = tasks / (time.perf_counter() - t0)
+        while await count(log, "task_exited") < tasks:
+            await asyncio.sleep(0.2)
+        total_rate = tasks / (time.perf_counter() - t0)
+        return {"tasks": tasks, "started_per_s": start_rate, "started_and_exited_per_s": total_rate, "idle_cpu_pct": idle_pct}
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        try:
+            agent.wait(15)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+        await log.close()
+        server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", type=int, default=200)
+    ap.add_argument("--idle-seconds", type=float, default=20)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    results = []
+    for _ in range(args.runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            r = asyncio.run(run(args.tasks, args.idle_seconds, Path(tmp)))
+        results.append(r)
+        print(f"run: {r['started_per_s']:.1f} tasks started/s, {r['started_and_exited_per_s']:.1f} started+exited/s, "
+              f"idle agent CPU {r['idle_cpu_pct']:.2f}% of one core", flush=True)
+    med = {k: statistics.median(r[k] for r in results) for k in ("started_per_s", "started_and_exited_per_s", "idle_cpu_pct")}
+    print(f"\nmedian of {args.runs}: {med['started_per_s']:.1f} tasks started/s on one agent; "
+          f"idle CPU (heartbeat + telemetry at 1 s) {med['idle_cpu_pct']:.2f}% of one core "
+          f"(target <= {CPU_TARGET_PCT}%: {'met' if med['idle_cpu_pct'] <= CPU_TARGET_PCT else 'missed'})")
+
+
+if __name__ == "__main__":
+    main()

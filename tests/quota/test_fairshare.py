@@ -1,0 +1,112 @@
+"""Fair-share division: table-driven examples and the invariants as properties."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.fairshare import accrue, divide, jain_index, leaves
+from shared.model import GpuAmount, QueueSpec
+
+
+def q(guaranteed: float = 0, limit: float | None = None, weight: float = 1) -> QueueSpec:
+    return QueueSpec(guaranteed=GpuAmount(gpus=guaranteed), limit=None if limit is None else GpuAmount(gpus=limit), weight=weight)
+
+
+CASES = [
+    ("guarantees first, capped by demand",
+     100, {"a": q(60), "b": q(40)}, {"a": 10, "b": 500}, {"a": 10, "b": 90}),
+    ("remainder split by weight 2:1",
+     90, {"a": q(weight=2), "b": q(weight=1)}, {"a": 1000, "b": 1000}, {"a": 60, "b": 30}),
+    ("a limit caps a queue and its share goes to the others",
+     100, {"a": q(limit=20), "b": q()}, {"a": 1000, "b": 1000}, {"a": 20, "b": 80}),
+    ("idle capacity is not entitled",
+     100, {"a": q(10), "b": q(10)}, {"a": 5, "b": 5}, {"a": 5, "b": 5}),
+    ("oversubscribed guarantees shrink in proportion",
+     50, {"a": q(60), "b": q(40)}, {"a": 1000, "b": 1000}, {"a": 30, "b": 20}),
+    ("a parent divides its entitlement among its children",
+     100, {"r": q(80), "r.x": q(weight=3), "r.y": q(weight=1), "p": q(20)},
+     {"r.x": 1000, "r.y": 1000, "p": 1000}, {"r": 80, "r.x": 60, "r.y": 20, "p": 20}),
+]
+
+
+@pytest.mark.parametrize("label,capacity,queues,demand,expected", CASES, ids=[c[0] for c in CASES])
+def test_division_examples(label, capacity, queues, demand, expected):
+    ent = divide(capacity, queues, demand).entitlement
+    for path, want in expected.items():
+        assert ent[path] == pytest.approx(want), (label, path, ent)
+
+
+def test_with_equal_weights_the_queue_that_used_more_gets_less_of_the_remainder():
+    queues = {"a": q(10), "b": q(10)}
+    ent = divide(100, queues, {"a": 1000, "b": 1000}, usage={"a": 5000, "b": 1000}).entitlement
+    assert ent["a"] < ent["b"]
+    assert ent["a"] >= 10 and ent["b"] >= 10
+    assert ent["a"] + ent["b"] == pytest.approx(100)
+
+
+def test_decayed_usage_halves_every_half_life_and_grows_with_gpus_held():
+    assert accrue(100.0, 0, 3600, 3600) == pytest.approx(50.0)
+    assert accrue(0.0, 8, 10, 1e12) == pytest.approx(80.0, rel=1e-6)
+    assert jain_index([1, 1, 1]) == pytest.approx(1) and jain_index([1, 0, 0]) == pytest.approx(1 / 3)
+
+
+names = st.sampled_from(["a", "b", "c", "a.x", "a.y", "b.x", "c.z.w"])
+specs = st.builds(
+    lambda g, extra, w, has_limit: q(g, g + extra if has_limit else None, w),
+    st.integers(0, 40), st.integers(0, 60), st.sampled_from([0.5, 1, 2, 3]), st.booleans(),
+)
+
+
+@st.composite
+def trees(draw):
+    paths = draw(st.sets(names, min_size=1, max_size=6))
+    queues = {p: draw(specs) for p in paths}
+    # guarantees of children never above their parent's (the API refuses that)
+    for p in sorted(queues, key=lambda s: -s.count(".")):
+        parent = p.rsplit(".", 1)[0] if "." in p else None
+        if parent in queues:
+            kids = [k for k in queues if k.rsplit(".", 1)[0] == parent and "." in k]
+            total = sum(queues[k].guaranteed.gpus for k in kids)
+            if total > queues[parent].guaranteed.gpus:
+                queues[parent] = q(total, None, queues[parent].weight)
+    demand = {p: draw(st.integers(0, 100)) for p in leaves(queues)}
+    usage = {p: draw(st.integers(0, 10_000)) for p in leaves(queues)}
+    return queues, demand, usage
+
+
+@settings(max_examples=150, deadline=None)
+@given(trees(), st.integers(0, 300))
+def test_invariants(tree, capacity):
+    queues, demand, usage = tree
+    d = divide(capacity, queues, demand, usage)
+    ent = d.entitlement
+    tops = [p for p in ent if "." not in p]
+    assert sum(ent[p] for p in tops) <= capacity + 1e-6
+    for p, e in ent.items():
+        kids = [k for k in ent if k.rsplit(".", 1)[0] == p and "." in k]
+        if kids:
+            assert sum(ent[k] for k in kids) <= e + 1e-6
+        spec = queues.get(p)
+        if spec is not None and spec.limit is not None:
+            assert e <= spec.limit.gpus + 1e-6
+        assert e <= d.demand[p] + 1e-6
+    if sum(min(queues.get(p, q()).guaranteed.gpus, d.demand[p]) for p in tops) <= capacity:
+        for p in tops:
+            assert ent[p] >= min(queues.get(p, q()).guaranteed.gpus, d.demand[p]) - 1e-6
+
+
+@settings(max_examples=100, deadline=None)
+@given(trees(), st.integers(0, 200), st.integers(1, 100))
+def test_more_capacity_never_lowers_anyones_entitlement(tree, capacity, more):
+    queues, demand, usage = tree
+    before = divide(capacity, queues, demand, usage).entitlement
+    after = divide(capacity + more, queues, demand, usage).entitlement
+    for p in before:
+        assert after[p] >= before[p] - 1e-6, p
+
+
+def test_weights_two_to_one_split_the_remainder_within_one_gpu():
+    ent = divide(1000, {"a": q(100, weight=2), "b": q(100, weight=1)}, {"a": 10_000, "b": 10_000}).entitlement
+    assert abs((ent["a"] - 100) - 2 * (ent["b"] - 100)) < 1

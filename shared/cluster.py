@@ -348,6 +348,13 @@ class ClusterProjection(Projection):
         if job := self._job(env, e.job_id, ACTIVE):
             job.timed_out = True
 
+    def on_job_requeued(self, env: Envelope, e: ev.JobRequeued) -> None:
+        if job := self._job(env, e.job_id, ACTIVE):
+            self._release(job)
+            job.state, job.reason, job.retries = "queued", e.reason, job.retries + 1
+            job.placements, job.tasks_running, job.tasks_exited = [], [], {}
+            job.started_at = job.placed_at = job.preempting_since = None
+
     # --- queues as the fair share sees them ---------------------------------------------
 
     def capacity_gpus(self) -> float:

@@ -269,6 +269,15 @@ class JobTimedOut(Event):
     grace_s: int = 30
 
 
+@register
+class JobRequeued(Event):
+    """A running job lost its node (or its place) and goes back to the queue: its resources are freed, retries + 1."""
+
+    TYPE, KEY = "job.requeued", "job_id"
+    job_id: str
+    reason: str = ""
+
+
 # --- queues ----------------------------------------------------------------------
 
 

@@ -151,3 +151,21 @@ def jain_index(values: list[float]) -> float:
     if not values or sum(values) == 0:
         return 1.0
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+def reclaim_requests(
+    queues: Mapping[str, QueueSpec], allocated: Mapping[str, float], pending: Mapping[str, float],
+    entitlement: Mapping[str, float],
+) -> list[tuple[str, float]]:
+    """Queues below their guarantee with work waiting, and how many GPUs they are owed back.
+
+    A queue never asks for more than brings it to min(guarantee, entitlement): a
+    reclaimer is never lifted above what its siblings are held to.
+    """
+    out = []
+    for q in leaves(queues):
+        have, waiting = allocated.get(q, 0.0), pending.get(q, 0.0)
+        target = min(queues[q].guaranteed.gpus, entitlement.get(q, 0.0), have + waiting)
+        if waiting > EPS and target - have > EPS:
+            out.append((q, target - have))
+    return out

@@ -18,6 +18,7 @@ class Settings(BaseSettings):
     sync_always: bool = False  # nats-server fsyncs every write (slower; no acked write lost on power loss)
     snapshot_every: int = 10_000
     cycle_interval_s: float = 2.0  # scheduler and other deciders run at least this often
+    heartbeat_timeout_s: float = 10.0  # a node silent this long is lost (health)
     debounce_s: float = 0.05
     policy: str = "fgd"
     half_life_s: float = 7 * 86400  # decayed usage for fair share, as Slurm's PriorityDecayHalfLife

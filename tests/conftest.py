@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from collections.abc import AsyncIterator, Iterator
@@ -11,6 +12,7 @@ import pytest
 
 from shared.eventlog import EventLog
 from shared.natsd import NatsServer
+from tests.support import AgentProc
 
 
 class ContainerNats:
@@ -37,6 +39,20 @@ def _binary_available() -> bool:
         return False
 
 
+async def _wipe(url: str) -> None:
+    import nats
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    for stream in ("GPUORCH", "GPUORCH_DLQ", "GPUORCH_TELEMETRY", "KV_gpuorch_leases", "KV_gpuorch_heartbeats",
+                   "OBJ_gpuorch-snapshots"):
+        try:
+            await js.delete_stream(stream)
+        except Exception:  # noqa: BLE001 - absent is fine
+            pass
+    await nc.close()
+
+
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
     """A nats-server with JetStream on a free port and a temporary store.
@@ -56,7 +72,8 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 @pytest.fixture
 def nats_url(tmp_path: Path) -> Iterator[str]:
     """NATS_URL if set; else the nats-server binary on a free port; else a container where Docker runs."""
-    if os.environ.get("NATS_URL"):
+    if os.environ.get("NATS_URL"):  # a server dedicated to tests: each test starts from an empty log
+        asyncio.run(_wipe(os.environ["NATS_URL"]))
         yield os.environ["NATS_URL"]
         return
     if _binary_available():
@@ -83,3 +100,19 @@ async def eventlog(nats_url: str) -> AsyncIterator[EventLog]:
         yield log
     finally:
         await log.close()
+
+
+@pytest.fixture
+def agents(tmp_path: Path, nats_url: str):
+    made: list[AgentProc] = []
+
+    def make(node_id: str, profile: str = "t4-4x") -> AgentProc:
+        work = tmp_path / "agents" / node_id
+        work.mkdir(parents=True)
+        a = AgentProc(nats_url, node_id, work, profile).start()
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.stop_everything()

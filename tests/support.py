@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 from shared.eventlog import EventLog
+from shared.natsd import free_port
 from shared.runtime import Service
 
 
@@ -57,3 +63,41 @@ async def in_process_stack(log: EventLog, **settings_kw) -> AsyncIterator[tuple[
             await stack.enter_async_context(running(svc, log))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gpuorch") as client:
             yield client, services
+
+
+class AgentProc:
+    def __init__(self, nats_url: str, node_id: str, work: Path, profile: str = "t4-4x"):
+        self.nats_url, self.node_id, self.work, self.profile = nats_url, node_id, work, profile
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "AgentProc":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "agent", "--backend", "simulated", "--profile", self.profile,
+             "--node-id", self.node_id, "--nats", self.nats_url, "--port", str(self.port), "--work-dir", str(self.work),
+             "--rack", "r1"],
+            start_new_session=True, stdout=open(self.work.parent / f"{self.node_id}.log", "ab"), stderr=subprocess.STDOUT)
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop_everything(self) -> None:
+        self.kill()
+        for pid_file in self.work.glob("jobs/*/*/*/pid"):
+            try:
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError, PermissionError):
+                pass
+
+
+async def until(check, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)

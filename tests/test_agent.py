@@ -4,76 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
-import pytest
-
 from shared import events as ev
 from shared.eventlog import EventLog
 from shared.events import Envelope
-from shared.natsd import free_port
 from tests.builders import job
-from tests.support import in_process_stack
-
-
-class AgentProc:
-    def __init__(self, nats_url: str, node_id: str, work: Path, profile: str = "t4-4x"):
-        self.nats_url, self.node_id, self.work, self.profile = nats_url, node_id, work, profile
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "AgentProc":
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "agent", "--backend", "simulated", "--profile", self.profile,
-             "--node-id", self.node_id, "--nats", self.nats_url, "--port", str(self.port), "--work-dir", str(self.work),
-             "--rack", "r1"],
-            start_new_session=True, stdout=open(self.work.parent / f"{self.node_id}.log", "ab"), stderr=subprocess.STDOUT)
-        return self
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop_everything(self) -> None:
-        self.kill()
-        for pid_file in self.work.glob("jobs/*/*/*/pid"):
-            try:
-                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError, PermissionError):
-                pass
-
-
-@pytest.fixture
-def agents(tmp_path: Path, nats_url: str):
-    made: list[AgentProc] = []
-
-    def make(node_id: str, profile: str = "t4-4x") -> AgentProc:
-        work = tmp_path / "agents" / node_id
-        work.mkdir(parents=True)
-        a = AgentProc(nats_url, node_id, work, profile).start()
-        made.append(a)
-        return a
-
-    yield make
-    for a in made:
-        a.stop_everything()
-
-
-async def until(check, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
+from tests.support import in_process_stack, until
 
 
 async def nodes_up(client: httpx.AsyncClient, n: int) -> None:

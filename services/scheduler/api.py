@@ -55,6 +55,9 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
     @r.post("/v1/jobs", status_code=201)
     async def submit(spec: JobSpec) -> dict[str, Any]:
         """Accept a job (all tasks start together or none does); 422 with the reason if it never could run."""
+        if admission_error(proj, spec):  # maybe stale: catch up with the log's head once, then judge
+            assert svc.log is not None
+            await svc.caught_up(await svc.log.last_seq(), timeout=2)
         if why := admission_error(proj, spec):
             raise HTTPException(422, why)
         job_id = new_id("j-")

@@ -297,7 +297,8 @@ class Cycle:
             if tries >= self.policy.max_preemptors:
                 break
             tries += 1
-            pool = [r for k in keys for r in groups[k] if r.job_id not in self.evicted]
+            pool = [r for k in keys for r in groups[k]
+                    if r.job_id not in self.evicted and not self.policy.protected(r, self.now)]
             victims = search.cheapest(job, pool, mode) if pool else None
             if victims is None:
                 failed.add(memo)
@@ -319,12 +320,24 @@ class Cycle:
         below its entitlement.
         """
         ent = self.snap.entitlements
+        # GPUs of jobs already preempting are on their way to whoever waits: they count as freed,
+        # and their queues no longer hold them (or each cycle would evict again until grace ends)
+        leaving = sum(r.gpu_milli for r in self.snap.running if r.preempting)
+        staying = dict(self.allocated)
+        for r in self.snap.running:
+            if r.preempting:
+                staying[r.queue] = staying.get(r.queue, 0.0) - r.gpu_milli / MILLI
         for req in (r if isinstance(r, ReclaimRequest) else ReclaimRequest(*r) for r in requests):
             need = req.gpus * MILLI
+            credit = min(leaving, need)
+            leaving, need = leaving - credit, need - credit
+            if need <= 0:
+                continue
             pool = [
                 r for r in self.snap.running
                 if not r.preempting and r.job_id not in self.evicted and r.queue != req.queue
-                and (ent is None or self.allocated.get(r.queue, 0.0) > ent.get(r.queue, 0.0))
+                and (ent is None or staying.get(r.queue, 0.0) > ent.get(r.queue, 0.0))
+                and not self.policy.protected(r, self.now)
             ]
             pool.sort(key=lambda r: (r.priority_rank, lost_gpu_seconds(r, self.now), r.job_id))
             freed = 0.0
@@ -332,14 +345,15 @@ class Cycle:
                 if freed >= need:
                     break
                 gpus = v.gpu_milli / MILLI
-                if ent is not None and self.allocated.get(v.queue, 0.0) - gpus < ent.get(v.queue, 0.0):
+                if ent is not None and staying.get(v.queue, 0.0) - gpus < ent.get(v.queue, 0.0):
                     continue
                 self.evicted.add(v.job_id)
+                staying[v.queue] = staying.get(v.queue, 0.0) - gpus
                 self.allocated[v.queue] = self.allocated.get(v.queue, 0.0) - gpus
                 freed += v.gpu_milli
                 self.preemptions.append(
                     Preemption(v.job_id, f"reclaimed for queue {req.queue} (queue {v.queue} is over its share)",
-                               self.policy.grace_s, for_queue=req.queue)
+                               self.policy.reclaim_grace_s, for_queue=req.queue)
                 )
 
     def plan(self) -> Plan:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.scheduler.fragmentation import TypicalShape
 from services.scheduler.placement import POLICIES
+
+if TYPE_CHECKING:
+    from services.scheduler.snapshot import RunningJob
 from shared.events import TaskPlacement
 from shared.model import PRIORITY_RANK
 
@@ -24,6 +28,16 @@ class Policy:
     preemptible_below: int = PRIORITY_RANK["normal"]  # only ranks below this are ever evicted for priority
     grace_s: int = 30
     max_preemptors: int = 16  # victim searches per cycle; the rest wait for the next cycle
+    reclaim_grace_s: int = 300
+    min_runtime_s: Mapping[str, int] = field(default_factory=dict)  # per queue: never evict a younger job
+    max_preemptions_per_hour: int = 3  # thrashing guard: a job evicted this often in the last hour stays
+
+    def protected(self, job: "RunningJob", now: float) -> bool:
+        """A victim that must be left alone: too young for its queue, or evicted too often lately."""
+        began = job.started_at if job.started_at is not None else job.placed_at
+        if now - began < self.min_runtime_s.get(job.queue, 0):
+            return True
+        return sum(1 for t in job.preemptions if now - t < 3600) >= self.max_preemptions_per_hour
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:

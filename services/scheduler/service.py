@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import replace
 
 from services.scheduler.api import router
 from services.scheduler.core import Plan, Policy, run_cycle
@@ -19,6 +20,7 @@ from services.scheduler.projection import SchedulerProjection
 from services.scheduler.snapshot import snapshot_from_cluster
 from shared import events as ev
 from shared.cluster import ACTIVE
+from shared.fairshare import leaves, reclaim_requests
 from shared.eventlog import LEASE_BUCKET, ConcurrencyConflict, Lease
 from shared.events import Envelope
 from shared.runtime import Metrics, Service
@@ -32,7 +34,9 @@ RELEVANT = ("job.queued", "job.succeeded", "job.failed", "job.cancelled", "job.p
 
 class Scheduler:
     def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
-        self.policy = Policy(name=settings.policy)
+        self.settings = settings
+        self.policy = Policy(name=settings.policy, reclaim_grace_s=settings.reclaim_grace_s,
+                             max_preemptions_per_hour=settings.max_preemptions_per_hour)
         self.interval = settings.cycle_interval_s
         self.debounce = settings.debounce_s
         self.lease: Lease | None = None
@@ -93,7 +97,7 @@ class Scheduler:
     async def run_once(self) -> Plan:
         now = time.time()
         t0 = time.perf_counter()
-        plan = run_cycle(snapshot_from_cluster(self.proj, now), self.policy, now)
+        plan = decide(self.proj, self.policy, now, self.settings.half_life_s)
         self.svc.metrics.cycle_seconds.labels("scheduler").observe(time.perf_counter() - t0)
         await self.commit(plan, now)
         return plan
@@ -183,6 +187,17 @@ class Scheduler:
         env = Envelope(event, id=f"{trigger.id}-{event.TYPE}", source="/gpuorch/scheduler")
         await self.svc.log.append(env)
         log.info("event=%s job=%s", event.TYPE.split(".")[1], getattr(event, "job_id", ""))
+
+
+def decide(proj: SchedulerProjection, policy: Policy, now: float, half_life_s: float) -> Plan:
+    """One cycle from the folded state: entitlements and reclaim requests from the fair share, then the core."""
+    queues = proj.queues
+    division = proj.division(now, half_life_s)
+    leaf_ent = {q: division.entitlement.get(q, 0.0) for q in leaves(queues)}
+    alloc, pending = proj.queue_load()
+    reclaims = reclaim_requests(queues, alloc, pending, leaf_ent)
+    policy = replace(policy, min_runtime_s={q: s.preempt_min_runtime_s for q, s in queues.items() if s.preempt_min_runtime_s})
+    return run_cycle(snapshot_from_cluster(proj, now, leaf_ent), policy, now, reclaims)
 
 
 def build(settings: Settings, metrics: Metrics | None = None) -> Service:

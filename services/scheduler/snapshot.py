@@ -80,6 +80,7 @@ class RunningJob:
     placed_at: float = 0.0
     started_at: float | None = None
     preempting: bool = False
+    preemptions: tuple[float, ...] = ()  # when it was evicted before
 
     @property
     def queue(self) -> str:
@@ -185,6 +186,7 @@ def snapshot_from_cluster(
                     placed_at=job.placed_at if job.placed_at is not None else now,
                     started_at=job.started_at,
                     preempting=job.state == "preempting",
+                    preemptions=tuple(job.preemptions),
                 )
             )
     pending.sort(key=lambda j: (j.submitted_at, j.job_id))

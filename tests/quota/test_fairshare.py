@@ -110,3 +110,14 @@ def test_more_capacity_never_lowers_anyones_entitlement(tree, capacity, more):
 def test_weights_two_to_one_split_the_remainder_within_one_gpu():
     ent = divide(1000, {"a": q(100, weight=2), "b": q(100, weight=1)}, {"a": 10_000, "b": 10_000}).entitlement
     assert abs((ent["a"] - 100) - 2 * (ent["b"] - 100)) < 1
+
+
+def test_a_queue_below_its_guarantee_with_waiting_work_is_owed_the_difference():
+    from shared.fairshare import reclaim_requests
+
+    queues = {"research": q(40), "prod": q(60)}
+    ent = divide(100, queues, {"research": 40, "prod": 100}).entitlement
+    asks = reclaim_requests(queues, {"research": 0, "prod": 100}, {"research": 40}, ent)
+    assert asks == [("research", pytest.approx(40))]
+    assert reclaim_requests(queues, {"research": 40, "prod": 60}, {"research": 8}, ent) == []
+    assert reclaim_requests(queues, {"research": 0, "prod": 10}, {}, ent) == []

@@ -314,11 +314,38 @@ def queues(url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
         print_json(rows)
         return
     table = Table(box=None, header_style="bold")
-    for col in ("QUEUE", "GUARANTEED", "LIMIT", "WEIGHT", "ALLOCATED", "PENDING"):
+    for col in ("QUEUE", "GUARANTEED", "LIMIT", "WEIGHT", "ALLOCATED", "PENDING", "ENTITLED", "FAIRSHARE", "USAGE(GPUh)"):
         table.add_column(col)
     for q in rows:
-        table.add_row(q["path"], f"{q['guaranteed']['gpus']:g}", "-" if q["limit"] is None else f"{q['limit']['gpus']:g}",
-                      f"{q['weight']:g}", f"{q['allocated']['gpus']:g}", f"{q['pending']['gpus']:g}")
+        depth = q["path"].count(".")
+        table.add_row("  " * depth + q["path"].rsplit(".", 1)[-1], f"{q['guaranteed']['gpus']:g}",
+                      "-" if q["limit"] is None else f"{q['limit']['gpus']:g}", f"{q['weight']:g}",
+                      f"{q['allocated']['gpus']:g}", f"{q['pending']['gpus']:g}", f"{q['entitlement']['gpus']:g}",
+                      f"{q['fair_share']['gpus']:g}", f"{q['usage']['gpu_hours_decayed']:g}")
+    console.print(table)
+
+
+@app.command()
+def usage(
+    since: Annotated[float | None, typer.Option(help="hours ago to start from (default 24)")] = None,
+    url: UrlOpt = DEFAULT_URL,
+    as_json: JsonOpt = False,
+) -> None:
+    """GPU-hours per queue, like sreport."""
+    import time
+
+    params = {"by": "queue", **({"since": time.time() - since * 3600} if since is not None else {})}
+    rep = api("GET", url, "/v1/usage", params=params)
+    if as_json:
+        print_json(rep)
+        return
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold", title=f"GPU-hours over the last {(rep['until'] - rep['since']) / 3600:g} h")
+    table.add_column("QUEUE")
+    table.add_column("GPU-HOURS", justify="right")
+    for q, v in rep["queues"].items():
+        table.add_row(q, f"{v['gpu_hours']:.3f}")
     console.print(table)
 
 

@@ -11,6 +11,7 @@ another writer is refused and decided again on the next tick.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import socket
 import time
 from typing import Any
 
+import nats
 from nats.js import api
 
 from services.health import rules
@@ -87,7 +89,8 @@ class Health:
                 await asyncio.sleep(LEASE_TTL_S / 3)
         finally:
             self.leader.clear()
-            await self.lease.release()  # a successor need not wait for the lease to lapse
+            with contextlib.suppress(Exception):  # a successor need not wait for the lease to lapse
+                await asyncio.wait_for(self.lease.release(), 2)
 
     async def react(self, env: Envelope) -> None:
         if env.data.TYPE.startswith(RELEVANT):
@@ -113,7 +116,7 @@ class Health:
                 while True:
                     try:
                         msg = await sub.next_msg(timeout=1)
-                    except (asyncio.TimeoutError, TimeoutError):
+                    except (asyncio.TimeoutError, nats.errors.TimeoutError):
                         continue
                     await self.on_telemetry(msg.data)
             except asyncio.CancelledError:
@@ -143,15 +146,15 @@ class Health:
             if fault is None:
                 log.info("event=xid_ignored node=%s gpu=%s xid=%s", node_id, doc.get("gpu_uuid"), doc["xid"])
             faults = [fault] if fault else []
+        hot = False
         for g in doc.get("gpus") or ():
             uuid = str(g.get("uuid", ""))
             temp, ecc = g.get("temperature_c"), g.get("ecc_uncorrected")
             self.gpus[uuid], found = rules.assess_sample(self.gpus.get(uuid, GpuWatch()), node_id, uuid, t, temp, ecc, self.policy)
             faults += found
-            if found or not rules.sample_is_healthy(temp, self.policy):
-                self.bad_seen[node_id] = t
-        if faults:
-            self.bad_seen[node_id] = max(t, self.bad_seen.get(node_id, t))
+            hot = hot or not rules.sample_is_healthy(temp, self.policy)
+        if faults or hot:
+            self.bad_seen[node_id] = t
         for fault in faults:
             if self.leader.is_set():
                 await self.mark(fault)
@@ -200,11 +203,13 @@ class Health:
 
     async def decide_once(self, now: float) -> int:
         """One round: lost nodes, their jobs, time limits, drains, auto-resume. Returns the last sequence appended."""
-        last = 0
-        for step in (self.find_lost_nodes(), self.requeue_lost_jobs(), self.enforce_time_limits(now), self.drain_nodes(),
-                     self.auto_resume(now)):
-            last = max(last, await step)
-        return last
+        return max(
+            await self.find_lost_nodes(),
+            await self.requeue_lost_jobs(),
+            await self.enforce_time_limits(now),
+            await self.drain_nodes(),
+            await self.auto_resume(now),
+        )
 
     async def find_lost_nodes(self) -> int:
         watched = {n: self.proj.registrations.get(n, 0) for n, s in self.proj.nodes.items()
@@ -245,16 +250,15 @@ class Health:
         for over in rules.overdue_jobs(self.proj.job_views(frozenset({"running"})), now):
             job = self.proj.jobs[over.job_id]
             attempt = round((job.started_at or 0) * 1000)
-            expected = job.seq
+            expected: int | None = job.seq
             if not over.timed_out:
-                seq = await self.append(ev.JobTimedOut(job_id=job.job_id, grace_s=self.policy.time_limit_grace_s),
-                                        f"{job.job_id}-timed-out-{attempt}", expected)
-                if seq is None:
+                expected = await self.append(ev.JobTimedOut(job_id=job.job_id, grace_s=self.policy.time_limit_grace_s),
+                                             f"{job.job_id}-timed-out-{attempt}", expected)
+                if expected is None:
                     continue
-                expected = last = max(last, seq)
-            seq = await self.append(ev.JobFailed(job_id=job.job_id, reason=TIME_LIMIT_REASON), f"{job.job_id}-time-limit-{attempt}",
-                                    expected)
-            last = max(last, seq or 0)
+            failed = await self.append(ev.JobFailed(job_id=job.job_id, reason=TIME_LIMIT_REASON),
+                                       f"{job.job_id}-time-limit-{attempt}", expected)
+            last = max(last, expected, failed or 0)
             log.info("event=timed_out job=%s limit_s=%s overrun_s=%.1f grace_s=%d", job.job_id, job.spec.time_limit_s,
                      over.overrun_s, self.policy.time_limit_grace_s)
         return last

@@ -121,3 +121,32 @@ def test_a_queue_below_its_guarantee_with_waiting_work_is_owed_the_difference():
     assert asks == [("research", pytest.approx(40))]
     assert reclaim_requests(queues, {"research": 40, "prod": 60}, {"research": 8}, ent) == []
     assert reclaim_requests(queues, {"research": 0, "prod": 10}, {}, ent) == []
+
+
+def _borrowers():
+    from tests.builders import cluster, job, node
+
+    c = cluster(node("n1").gpus(8))
+    c.running(job("young").gpus(4).queue("borrower").build(), on=[("n1", [0, 1, 2, 3])], job_id="young", started_at=90)
+    c.running(job("old").gpus(4).queue("borrower").build(), on=[("n1", [4, 5, 6, 7])], job_id="old", started_at=0)
+    return c
+
+
+def test_reclaim_never_evicts_a_job_younger_than_its_queues_min_runtime():
+    from services.scheduler.core import Policy, reclaim
+
+    c = _borrowers()
+    snap = c.snapshot(now=100, entitlements={"owner": 4, "borrower": 0})
+    policy = Policy(min_runtime_s={"borrower": 60})
+    assert [p.job_id for p in reclaim(snap, [("owner", 4)], policy, now=100)] == ["old"]
+    assert [p.job_id for p in reclaim(snap, [("owner", 4)], Policy(), now=100)] == ["young"]  # cheapest otherwise
+
+
+def test_the_thrashing_guard_leaves_a_job_preempted_too_often_this_hour_alone():
+    from services.scheduler.core import Policy, reclaim
+
+    c = _borrowers()
+    c.proj.jobs["young"].preemptions = [10.0, 40.0, 70.0]
+    snap = c.snapshot(now=100, entitlements={"owner": 4, "borrower": 0})
+    assert [p.job_id for p in reclaim(snap, [("owner", 4)], Policy(max_preemptions_per_hour=3), now=100)] == ["old"]
+    assert [p.job_id for p in reclaim(snap, [("owner", 4)], Policy(max_preemptions_per_hour=4), now=100)] == ["young"]

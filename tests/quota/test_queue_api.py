@@ -1,0 +1,39 @@
+"""The queue API refuses what would break the tree, with a reason."""
+
+from __future__ import annotations
+
+from shared.eventlog import EventLog
+from tests.builders import job
+from tests.support import in_process_stack
+
+
+async def test_the_queue_tree_refuses_bad_definitions_with_reasons(eventlog: EventLog):
+    async with in_process_stack(eventlog) as (client, _):
+        ok = await client.put("/v1/queues/research", json={"guaranteed": {"gpus": 10}, "limit": {"gpus": 20}})
+        assert ok.status_code == 200
+        assert (await client.put("/v1/queues/research.nlp", json={"guaranteed": {"gpus": 6}})).status_code == 200
+        over = await client.put("/v1/queues/research.vision", json={"guaranteed": {"gpus": 5}})
+        assert over.status_code == 422 and "above its own guarantee" in over.json()["detail"]
+        low = await client.put("/v1/queues/prod", json={"guaranteed": {"gpus": 8}, "limit": {"gpus": 4}})
+        assert low.status_code == 422 and "limit" in str(low.json()["detail"])
+        bad = await client.put("/v1/queues/Bad Name", json={})
+        assert bad.status_code == 422
+
+        parent = await client.post("/v1/jobs", json=job("x").queue("research").build().model_dump(mode="json"))
+        assert parent.status_code == 422 and "leaf" in parent.json()["detail"]
+
+        leaf_job = await client.post("/v1/jobs", json=job("x").queue("research.nlp").build().model_dump(mode="json"))
+        assert leaf_job.status_code == 201
+        busy = await client.delete("/v1/queues/research.nlp")
+        assert busy.status_code == 409 and "jobs" in busy.json()["detail"]
+        has_kids = await client.delete("/v1/queues/research")
+        assert has_kids.status_code == 409 and "child" in has_kids.json()["detail"]
+        await client.delete(f"/v1/jobs/{leaf_job.json()['id']}")
+        assert (await client.delete("/v1/queues/research.nlp")).status_code == 200
+        assert (await client.delete("/v1/queues/nope")).status_code == 404
+
+        rows = {q["path"]: q for q in (await client.get("/v1/queues")).json()}
+        assert set(rows) == {"default", "research"}
+        assert {"entitlement", "fair_share", "usage", "allocated", "pending"} <= set(rows["research"])
+        usage = (await client.get("/v1/usage", params={"by": "queue"})).json()
+        assert "queues" in usage

@@ -414,6 +414,7 @@ class EventLog:
             max_deliver=max_deliver,
             max_ack_pending=1000,
             num_replicas=self.replicas,
+            inactive_threshold=7 * 86400,  # a replica gone for a week leaves no consumer behind
         )
         sub = None
         while not stop.is_set():

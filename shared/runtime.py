@@ -16,7 +16,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -155,8 +157,11 @@ class Service:
         snapshot_every: int = 10_000,
         max_deliver: int = 5,
         metrics: Metrics | None = None,
+        instance: str | None = None,
     ) -> None:
         self.name = name
+        # each replica has its own durable consumer: replicas sharing one would split the stream between them
+        self.instance = re.sub(r"[^A-Za-z0-9_-]", "_", instance if instance is not None else socket.gethostname())
         self.projection = projection
         self.reaction = reaction
         self.timers = timers or []
@@ -189,7 +194,7 @@ class Service:
         timers = [asyncio.create_task(t(self), name=f"{self.name}-timer") for t in self.timers]
         try:
             await log_.consume(
-                f"svc-{self.name}",
+                f"svc-{self.name}-{self.instance}" if self.instance else f"svc-{self.name}",
                 self._on_message,
                 start_seq=self.projection.seq + 1,
                 max_deliver=self.max_deliver,

@@ -137,3 +137,22 @@ async def test_malformed_submissions_get_422_with_a_reason_and_the_log_is_unchan
         r = await client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 422
         assert await eventlog.last_seq() == before
+
+
+async def test_a_second_scheduler_replica_stands_by_and_nothing_is_placed_twice(eventlog: EventLog):
+    from services.stack import build_service
+    from shared.settings import Settings
+    from tests.support import running
+
+    async with in_process_stack(eventlog) as (client, services):
+        standby = build_service("scheduler", Settings(cycle_interval_s=0.3, debounce_s=0.01, instance="standby"))
+        async with running(standby, eventlog):
+            await register(eventlog, *(node(f"n{i}").gpus(8).build() for i in range(2)))
+            ids = [await submit(client, job(f"j{i}").gpus(1).build()) for i in range(12)]
+            for i in ids:
+                await wait_state(client, i, "placed")
+            placed = [e for e in (await client.get("/v1/events", params={"type": "job.placed", "limit": 100})).json()]
+            assert sorted(e["data"]["job_id"] for e in placed) == sorted(ids)
+            assert len({e["gpuorchepoch"] for e in placed}) == 1, "one leader decided every placement"
+            assert services["scheduler"].projection.invalid_count == 0
+            assert standby.projection.digest() == services["scheduler"].projection.digest()

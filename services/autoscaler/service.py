@@ -6,4 +6,5 @@ from services.autoscaler.projection import AutoscalerProjection
 
 
 def build(settings: Settings, metrics: Metrics | None = None) -> Service:
-    return Service("autoscaler", AutoscalerProjection(), router=router, snapshot_every=settings.snapshot_every, metrics=metrics)
+    return Service("autoscaler", AutoscalerProjection(), router=router, snapshot_every=settings.snapshot_every, metrics=metrics,
+                   instance=settings.instance)

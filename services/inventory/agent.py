@@ -10,6 +10,7 @@ reports a vanished one as lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -22,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query
+from pydantic import BaseModel, ConfigDict, Field
 
-from services.inventory.discovery import sample_telemetry
+from services.inventory.discovery import poll_xid_events, register_xid_events, sample_telemetry
 from services.inventory.taskenv import task_env
 from shared import events as ev
-from shared.cluster import ClusterProjection
+from shared.cluster import ACTIVE, ClusterProjection
 from shared.eventlog import HEARTBEAT_BUCKET
 from shared.events import Envelope
 from shared.model import NodeInfo
@@ -35,6 +37,13 @@ from shared.runtime import Metrics, Service
 log = logging.getLogger("gpuorch.agent")
 LAUNCHER = str(Path(__file__).with_name("launcher.py"))
 STOP_GRACE_S = 10  # for cancel/fail, where the job event carries no grace
+XID_POLL_MS = 500
+
+
+class XidInjection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gpu_index: int = Field(ge=0)
+    xid: int = Field(ge=1, le=65535)
 
 
 class AgentProjection(ClusterProjection):
@@ -86,7 +95,7 @@ class Agent:
             f"agent-{node.node_id}",
             AgentProjection(),
             reaction=self.react,
-            timers=[self.register_and_adopt, self.heartbeat, self.telemetry, self.reap],
+            timers=[self.register_and_adopt, self.heartbeat, self.telemetry, self.watch_xids, self.reap],
             router=self.router,
             metrics=metrics,
         )
@@ -132,6 +141,45 @@ class Agent:
                 log.debug("telemetry failed error=%r", e)
             await asyncio.sleep(self.telemetry_s)
 
+    async def watch_xids(self, svc: Service) -> None:
+        """XID errors from NVML, each published on gpuorch.telemetry.<node>.xid for health to classify."""
+        if self.nvml is None:
+            return
+        assert svc.log is not None
+        subject = f"gpuorch.telemetry.{self.node.node_id}.xid"
+        try:
+            event_set = register_xid_events(self.nvml, self.node)
+        except Exception as e:  # noqa: BLE001 - no XID watch on this node; everything else works
+            log.warning("event=xid_watch_unavailable node=%s error=%r", self.node.node_id, e)
+            return
+        try:
+            while True:
+                started = time.monotonic()
+                try:
+                    xids = await asyncio.to_thread(poll_xid_events, self.nvml, event_set, XID_POLL_MS)
+                except Exception as e:  # noqa: BLE001 - one failed wait is retried
+                    log.warning("event=xid_poll_failed node=%s error=%r", self.node.node_id, e)
+                    xids = []
+                for x in xids:
+                    body = {"node_id": self.node.node_id, "gpu_uuid": x.gpu_uuid, "xid": x.xid, "t": time.time(),
+                            "recovery_action": self.recovery_action(x.gpu_uuid)}
+                    await svc.log.nc.publish(subject, json.dumps(body).encode())
+                    log.info("event=xid node=%s gpu=%s xid=%d", self.node.node_id, x.gpu_uuid, x.xid)
+                # the simulated backend answers at once: pace it like a driver that blocks for the timeout
+                await asyncio.sleep(max(0.0, XID_POLL_MS / 1000 - (time.monotonic() - started)))
+        finally:
+            with contextlib.suppress(Exception):
+                self.nvml.nvmlEventSetFree(event_set)
+
+    def recovery_action(self, gpu_uuid: str) -> int | None:
+        """NVML's advice for the GPU (drivers r550+); None where the driver or the backend cannot say."""
+        try:
+            handle = self.nvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+            value = self.nvml.nvmlDeviceGetFieldValues(handle, [self.nvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])[0]
+        except Exception:  # noqa: BLE001 - the simulated backend and older drivers have no such field
+            return None
+        return int(value.value.uiVal) if value.nvmlReturn == 0 else None
+
     # --- tasks ------------------------------------------------------------------------------
 
     async def react(self, env: Envelope) -> None:
@@ -142,8 +190,11 @@ class Agent:
                 await self.start(e, env.seq, p.task)
         elif isinstance(e, (ev.JobPreempting, ev.JobTimedOut)):
             self.stop(e.job_id, e.grace_s)
-        elif isinstance(e, (ev.JobCancelled, ev.JobFailed)):
+        elif isinstance(e, (ev.JobCancelled, ev.JobFailed, ev.JobRequeued)):
             self.stop(e.job_id, STOP_GRACE_S)
+        elif isinstance(e, ev.NodeLost) and e.node_id == self.node.node_id:
+            await self.emit(ev.NodeRegistered(node_id=self.node.node_id, node=self.node), f"{env.id}-reregistered")
+            log.info("event=reregistered node=%s after=%r", self.node.node_id, e.reason)
 
     def task_dir(self, job_id: str, attempt: int, task: int) -> Path:
         return self.work_dir / "jobs" / job_id / str(attempt) / str(task)
@@ -212,7 +263,17 @@ class Agent:
                 del self.tasks[key]
             await asyncio.sleep(0.1)
 
+    def superseded(self, t: Task) -> bool:
+        """The job was requeued and holds another place now: an exit of this attempt would end the new one."""
+        job = self.proj.jobs.get(t.job_id)
+        return job is not None and job.state in ACTIVE and not any(
+            p.node_id == self.node.node_id and p.task == t.task for p in job.placements)
+
     async def report_exit(self, t: Task) -> None:
+        if self.superseded(t):
+            (t.dir / "reported").write_text(json.dumps({"superseded": True}))
+            log.info("event=task_exit_superseded job=%s task=%d attempt=%d", t.job_id, t.task, t.attempt)
+            return
         exit_file = t.dir / "exit.json"
         if exit_file.exists():
             result = json.loads(exit_file.read_text())
@@ -255,6 +316,20 @@ class Agent:
                 data = f.read(limit)
             return {"node": self.node.node_id, "task": task, "attempt": a, "stream": stream,
                     "offset": offset, "next_offset": offset + len(data), "data": data.decode(errors="replace")}
+
+        @r.post("/v1/agent/inject-xid")
+        def inject_xid(body: XidInjection) -> dict[str, Any]:
+            """Simulated backend only: the GPU reports this XID as the driver would."""
+            inject = getattr(self.nvml, "inject_xid", None)
+            if inject is None:
+                raise HTTPException(404, f"node {self.node.node_id} reads XIDs from its driver (nvml backend): "
+                                         "injection needs --backend simulated")
+            gpu = next((g for g in self.node.gpus if g.index == body.gpu_index), None)
+            if gpu is None:
+                raise HTTPException(404, f"node {self.node.node_id} has no GPU {body.gpu_index} "
+                                         f"(it has {len(self.node.gpus)}, from 0)")
+            inject(body.gpu_index, body.xid)
+            return {"node": self.node.node_id, "gpu_index": body.gpu_index, "gpu_uuid": gpu.uuid, "xid": body.xid}
 
         return r
 

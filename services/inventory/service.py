@@ -6,4 +6,5 @@ from services.inventory.projection import InventoryProjection
 
 
 def build(settings: Settings, metrics: Metrics | None = None) -> Service:
-    return Service("inventory", InventoryProjection(), router=router, snapshot_every=settings.snapshot_every, metrics=metrics)
+    return Service("inventory", InventoryProjection(), router=router, snapshot_every=settings.snapshot_every, metrics=metrics,
+                   instance=settings.instance)

@@ -7,4 +7,5 @@ from services.quota.projection import QuotaProjection
 
 def build(settings: Settings, metrics: Metrics | None = None) -> Service:
     return Service("quota", QuotaProjection(), router=lambda svc: router(svc, settings.half_life_s),
-                   snapshot_every=settings.snapshot_every, metrics=metrics)
+                   snapshot_every=settings.snapshot_every, metrics=metrics,
+                   instance=settings.instance)

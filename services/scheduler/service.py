@@ -50,6 +50,7 @@ class Scheduler:
             router=lambda svc: router(svc, self),
             snapshot_every=settings.snapshot_every,
             metrics=metrics,
+            instance=settings.instance,
         )
 
     @property

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import time
 from dataclasses import replace
 
@@ -21,14 +19,14 @@ from services.scheduler.snapshot import snapshot_from_cluster
 from shared import events as ev
 from shared.cluster import ACTIVE
 from shared.fairshare import leaves, reclaim_requests
-from shared.eventlog import LEASE_BUCKET, ConcurrencyConflict, Lease
+from shared.eventlog import ConcurrencyConflict
 from shared.events import Envelope
+from shared.leadership import Leadership
 from shared.runtime import Metrics, Service
 from shared.settings import Settings
 
 log = logging.getLogger("gpuorch.scheduler")
 
-LEASE_TTL_S = 10.0
 RELEVANT = ("job.queued", "job.succeeded", "job.failed", "job.cancelled", "job.preempted", "node.", "gpu.", "queue.")
 
 
@@ -39,14 +37,13 @@ class Scheduler:
                              max_preemptions_per_hour=settings.max_preemptions_per_hour)
         self.interval = settings.cycle_interval_s
         self.debounce = settings.debounce_s
-        self.lease: Lease | None = None
-        self.leader = asyncio.Event()
         self.wake = asyncio.Event()
+        self.leadership = Leadership("scheduler", on_acquired=self.wake.set)
         self.svc = Service(
             "scheduler",
             SchedulerProjection(),
             reaction=self.react,
-            timers=[self.hold_lease, self.cycle_loop],
+            timers=[self.leadership.hold, self.cycle_loop],
             router=lambda svc: router(svc, self),
             snapshot_every=settings.snapshot_every,
             metrics=metrics,
@@ -56,27 +53,6 @@ class Scheduler:
     @property
     def proj(self) -> SchedulerProjection:
         return self.svc.projection  # type: ignore[return-value]
-
-    # --- leadership ---------------------------------------------------------------------
-
-    async def hold_lease(self, svc: Service) -> None:
-        assert svc.log is not None
-        kv = await svc.log.kv(LEASE_BUCKET, ttl=LEASE_TTL_S)
-        self.lease = Lease(kv, "scheduler", f"{socket.gethostname()}:{os.getpid()}")
-        while True:
-            try:
-                ok = await self.lease.acquire_or_renew()
-            except Exception as e:  # noqa: BLE001 - NATS away: not leader until it answers
-                log.warning("lease error=%r", e)
-                ok = False
-            if ok and not self.leader.is_set():
-                log.info("event=leader_acquired epoch=%s", self.lease.epoch)
-                self.leader.set()
-                self.wake.set()
-            elif not ok and self.leader.is_set():
-                log.warning("event=leader_lost")
-                self.leader.clear()
-            await asyncio.sleep(LEASE_TTL_S / 3)
 
     # --- the cycle ----------------------------------------------------------------------
 
@@ -88,7 +64,7 @@ class Scheduler:
                 pass
             await asyncio.sleep(self.debounce)  # let a burst of events land before deciding
             self.wake.clear()
-            if not self.leader.is_set():
+            if not self.leadership.leader.is_set():
                 continue
             try:
                 await self.run_once()
@@ -104,7 +80,7 @@ class Scheduler:
         return plan
 
     async def commit(self, plan: Plan, now: float) -> None:
-        epoch = self.lease.epoch if self.lease else None
+        epoch = self.leadership.epoch
         last = 0
         for job_id, p in plan.placements.items():
             job = self.proj.jobs.get(job_id)

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.inventory.profiles import build
+from shared.profiles import build
 from shared import events as ev
 from shared.eventlog import EventLog
 from shared.events import Envelope, GpuShare, TaskPlacement

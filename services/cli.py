@@ -75,7 +75,7 @@ def agent(
     from services.inventory.agent import run_agent
     from services.inventory.discovery import NvmlUnavailable, discover_nvml
     from services.inventory.nvml_fake import FakeNvml
-    from services.inventory.profiles import UnknownProfile, build
+    from shared.profiles import UnknownProfile, build
 
     pairs = [kv for item in labels or [] for kv in item.split(",") if kv]
     if any("=" not in kv for kv in pairs):

@@ -137,7 +137,7 @@ def up(settings: Settings, split: bool = False) -> None:
 
 def parse_nodes(spec: str) -> list[tuple[str, int]]:
     """`dgx-h100:2,l4-8x:1` -> [("dgx-h100", 2), ("l4-8x", 1)]; raises SystemExit with the reason."""
-    from services.inventory.profiles import PROFILES
+    from shared.profiles import PROFILES
 
     out = []
     for item in filter(None, (x.strip() for x in spec.split(","))):

@@ -111,6 +111,7 @@ class ClusterProjection(Projection):
         self.queues: dict[str, QueueSpec] = {DEFAULT_QUEUE: QueueSpec()}
         self.finished: dict[str, None] = {}  # ended job ids, oldest first (an ordered set)
         self.accounting: dict[str, dict[int, float]] = {}  # queue -> bucket -> GPU-seconds of ended holdings
+        self.pool_shapes: dict[str, tuple[str, int]] = {}  # node pool -> (profile, max nodes): nodes that may come
         self.now = 0.0  # time of the last event folded: the projection's clock
 
     def apply(self, env: Envelope) -> bool:
@@ -156,6 +157,15 @@ class ClusterProjection(Projection):
     def on_gpu_unhealthy(self, env: Envelope, e: ev.GpuUnhealthy) -> None:
         if node := self._node(env, e.node_id):
             node.unhealthy[e.gpu_uuid] = f"{e.kind}{'' if e.xid is None else f' xid {e.xid}'}: {e.detail}".strip()
+
+    def on_pool_defined(self, env: Envelope, e: ev.PoolDefined) -> None:
+        self.pool_shapes[e.pool] = (e.profile, e.max_nodes)
+
+    def on_pool_node_terminated(self, env: Envelope, e: ev.PoolNodeTerminated) -> None:
+        node = self.nodes.get(e.node_id)
+        if node is not None and (node.gpu_alloc or node.cpu_alloc):
+            self.invalid(env, f"node {e.node_id} terminated while holding work")
+        self.nodes.pop(e.node_id, None)
 
     # --- queues ----------------------------------------------------------------------
 
@@ -390,6 +400,7 @@ class ClusterProjection(Projection):
             "jobs": {k: v.to_json() for k, v in self.jobs.items()},
             "queues": {k: v.model_dump(mode="json") for k, v in self.queues.items()},
             "finished": list(self.finished),
+            "pool_shapes": self.pool_shapes,
             "accounting": {q: {str(b): v for b, v in bs.items()} for q, bs in self.accounting.items()},
         }
 
@@ -399,4 +410,5 @@ class ClusterProjection(Projection):
         self.jobs = {k: JobRecord.from_json(v) for k, v in state["jobs"].items()}
         self.queues = {k: QueueSpec.model_validate(v) for k, v in state["queues"].items()}
         self.finished = dict.fromkeys(state["finished"])
+        self.pool_shapes = {k: tuple(v) for k, v in state["pool_shapes"].items()}
         self.accounting = {q: {int(b): v for b, v in bs.items()} for q, bs in state["accounting"].items()}

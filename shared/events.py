@@ -311,8 +311,13 @@ class PoolDefined(Event):
     profile: str
     min_nodes: int = 0
     max_nodes: int = 0
-    provision_delay_s: int = 0
-    idle_timeout_s: int = 600
+    provision_delay_s: float = 0
+    idle_timeout_s: float = 600
+    cost_per_node_hour: float = 0.0
+    hourly_cost_cap: float | None = None
+    provider: str = "simulated"  # simulated | command
+    provision_command: tuple[str, ...] = ()
+    terminate_command: tuple[str, ...] = ()
 
 
 @register

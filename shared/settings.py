@@ -26,5 +26,7 @@ class Settings(BaseSettings):
     max_preemptions_per_hour: int = 3  # thrashing guard: a job preempted this often is left alone
     db_url: str | None = None  # read models: SQLite file under data_dir by default, PostgreSQL by URL
     log_level: str = "INFO"
+    autoscale_interval_s: float = 2.0
+    stop_pool_nodes_on_exit: bool = True  # simulated pool nodes stop with the stack
     instance: str | None = None  # replica name (durable consumer suffix); default: the host name
     nodes: str = "dgx-h100:2,l4-8x:1,t4-4x:1"  # simulated agents `gpuorch up` starts: profile:count,...

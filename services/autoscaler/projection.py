@@ -1,8 +1,9 @@
 from typing import Any
 
+from services.autoscaler.scaling import DeploymentSpec, PoolSpec, PoolState
 from shared import events as ev
 from shared.cluster import ClusterProjection
-from shared.events import Envelope
+from shared.events import Envelope, TaskPlacement
 
 
 class AutoscalerProjection(ClusterProjection):
@@ -10,25 +11,69 @@ class AutoscalerProjection(ClusterProjection):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pools: dict[str, dict[str, Any]] = {}
-        self.deployments: dict[str, dict[str, Any]] = {}
+        self.pools: dict[str, dict[str, Any]] = {}  # name -> {"spec": {...}, "nodes": [...], "in_flight": n}
+        self.deployments: dict[str, dict[str, Any]] = {}  # name -> {"spec": {...}, "replicas": n}
+        self.idle_since: dict[str, float] = {}  # node -> when it last became empty
+
+    def pool_states(self) -> list[PoolState]:
+        return [PoolState(PoolSpec(name=k, **v["spec"]), tuple(v["nodes"]), v["in_flight"]) for k, v in sorted(self.pools.items())]
+
+    def deployment_spec(self, name: str) -> DeploymentSpec:
+        spec = self.deployments[name]["spec"]
+        keys = ("min_replicas", "max_replicas", "target_pending_per_replica", "stabilization_s", "scale_to_zero_after_s")
+        return DeploymentSpec(name=name, **{k: spec[k] for k in keys if k in spec})
+
+    # --- pools -------------------------------------------------------------------------
 
     def on_pool_defined(self, env: Envelope, e: ev.PoolDefined) -> None:
-        nodes = self.pools.get(e.pool, {}).get("nodes", [])
-        self.pools[e.pool] = {**e.model_dump(mode="json", exclude={"pool"}), "nodes": nodes}
+        super().on_pool_defined(env, e)
+        old = self.pools.get(e.pool, {"nodes": [], "in_flight": 0})
+        spec = e.model_dump(mode="json", exclude={"pool", "provider", "provision_command", "terminate_command"})
+        self.pools[e.pool] = {"spec": spec, "nodes": old["nodes"], "in_flight": old["in_flight"],
+                              "provider": {"kind": e.provider, "provision": list(e.provision_command),
+                                           "terminate": list(e.terminate_command)}}
 
-    def on_pool_node_provisioned(self, env: Envelope, e: ev.PoolNodeProvisioned) -> None:
+    def on_pool_scale_requested(self, env: Envelope, e: ev.PoolScaleRequested) -> None:
         if e.pool not in self.pools:
             self.invalid(env, f"unknown pool {e.pool}")
+        else:  # a negative delta takes back a request whose provisioning failed
+            self.pools[e.pool]["in_flight"] = max(0, self.pools[e.pool]["in_flight"] + e.delta)
+
+    def on_pool_node_provisioned(self, env: Envelope, e: ev.PoolNodeProvisioned) -> None:
+        pool = self.pools.get(e.pool)
+        if pool is None:
+            self.invalid(env, f"unknown pool {e.pool}")
             return
-        self.pools[e.pool]["nodes"].append(e.node_id)
+        pool["in_flight"] = max(0, pool["in_flight"] - 1)
+        if e.node_id not in pool["nodes"]:
+            pool["nodes"].append(e.node_id)
 
     def on_pool_node_terminated(self, env: Envelope, e: ev.PoolNodeTerminated) -> None:
+        super().on_pool_node_terminated(env, e)
         nodes = self.pools.get(e.pool, {}).get("nodes", [])
-        if e.node_id not in nodes:
-            self.invalid(env, f"node {e.node_id} is not in pool {e.pool}")
+        if e.node_id in nodes:
+            nodes.remove(e.node_id)
+        self.idle_since.pop(e.node_id, None)
+
+    # --- idleness ------------------------------------------------------------------------
+
+    def on_node_registered(self, env: Envelope, e: ev.NodeRegistered) -> None:
+        super().on_node_registered(env, e)
+        node = self.nodes[e.node_id]
+        if not node.gpu_alloc and not node.cpu_alloc:
+            self.idle_since.setdefault(e.node_id, env.timestamp)
+
+    def _reserve(self, p: TaskPlacement, sign: int) -> None:
+        super()._reserve(p, sign)
+        node = self.nodes.get(p.node_id)
+        if node is None:
             return
-        nodes.remove(e.node_id)
+        if node.gpu_alloc or node.cpu_alloc:
+            self.idle_since.pop(p.node_id, None)
+        else:
+            self.idle_since[p.node_id] = self.now
+
+    # --- deployments ---------------------------------------------------------------------
 
     def on_deployment_defined(self, env: Envelope, e: ev.DeploymentDefined) -> None:
         self.deployments[e.name] = {"spec": e.spec, "replicas": self.deployments.get(e.name, {}).get("replicas", 0)}
@@ -40,8 +85,8 @@ class AutoscalerProjection(ClusterProjection):
         self.deployments[e.name]["replicas"] = e.replicas
 
     def state(self) -> dict[str, Any]:
-        return {**super().state(), "pools": self.pools, "deployments": self.deployments}
+        return {**super().state(), "pools": self.pools, "deployments": self.deployments, "idle_since": self.idle_since}
 
     def load(self, state: dict[str, Any]) -> None:
         super().load(state)
-        self.pools, self.deployments = state["pools"], state["deployments"]
+        self.pools, self.deployments, self.idle_since = state["pools"], state["deployments"], state["idle_since"]

@@ -43,15 +43,15 @@ class Heartbeats:
             out[node_id] = max(beat, self.noticed[node_id][1])
         return out
 
-    async def watch(self, kv: KeyValue) -> None:
-        """Follow every key's revisions forever; re-create the watch when NATS drops it."""
-        while True:
+    async def watch(self, kv: KeyValue, stop: asyncio.Event) -> None:
+        """Follow every key's revisions until ``stop``; re-create the watch when NATS drops it."""
+        while not stop.is_set():
             watcher = None
             try:
                 watcher = await kv.watchall(meta_only=True)
-                while True:
+                while not stop.is_set():  # also ends a loop whose cancellation wait_for swallowed
                     try:
-                        entry = await watcher.updates(timeout=5)
+                        entry = await watcher.updates(timeout=1)
                     except nats.errors.TimeoutError:
                         continue
                     if entry is None or entry.operation in (KV_DEL, KV_PURGE) or entry.revision is None:

@@ -11,11 +11,8 @@ another writer is refused and decided again on the next tick.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
-import socket
 import time
 from typing import Any
 
@@ -28,14 +25,14 @@ from services.health.heartbeats import Heartbeats
 from services.health.projection import SOURCE, HealthProjection
 from services.health.rules import Fault, GpuWatch, HealthPolicy
 from shared import events as ev
-from shared.eventlog import HEARTBEAT_BUCKET, LEASE_BUCKET, TELEMETRY_STREAM, ConcurrencyConflict, Lease
+from shared.eventlog import HEARTBEAT_BUCKET, TELEMETRY_STREAM, ConcurrencyConflict
 from shared.events import Envelope
+from shared.leadership import Leadership
 from shared.runtime import Metrics, Service
 from shared.settings import Settings
 
 log = logging.getLogger("gpuorch.health")
 
-LEASE_TTL_S = 10.0
 HEARTBEAT_TTL_S = 60  # as the agents create the bucket
 TIME_LIMIT_REASON = "time limit exceeded"
 RELEVANT = ("node.", "gpu.", "job.task_", "job.placed", "job.preempt", "job.requeued")
@@ -45,9 +42,8 @@ class Health:
     def __init__(self, settings: Settings, metrics: Metrics | None = None, policy: HealthPolicy | None = None) -> None:
         self.policy = policy or HealthPolicy(heartbeat_timeout_s=settings.heartbeat_timeout_s)
         self.tick = min(1.0, self.policy.heartbeat_timeout_s / 4)
-        self.lease: Lease | None = None
-        self.leader = asyncio.Event()
         self.wake = asyncio.Event()
+        self.leadership = Leadership("health", on_acquired=self.wake.set)
         self.heartbeats = Heartbeats()
         self.kv: Any = None
         self.gpus: dict[str, GpuWatch] = {}  # gpu uuid -> what the telemetry rules remember
@@ -56,41 +52,20 @@ class Health:
             "health",
             HealthProjection(),
             reaction=self.react,
-            timers=[self.hold_lease, self.watch_heartbeats, self.read_telemetry, self.decide_loop],
+            timers=[self.leadership.hold, self.watch_heartbeats, self.read_telemetry, self.decide_loop],
             router=router,
             snapshot_every=settings.snapshot_every,
             metrics=metrics,
+            instance=settings.instance,
         )
 
     @property
     def proj(self) -> HealthProjection:
         return self.svc.projection  # type: ignore[return-value]
 
-    # --- leadership ---------------------------------------------------------------------
-
-    async def hold_lease(self, svc: Service) -> None:
-        assert svc.log is not None
-        kv = await svc.log.kv(LEASE_BUCKET, ttl=LEASE_TTL_S)
-        self.lease = Lease(kv, "health", f"{socket.gethostname()}:{os.getpid()}")
-        try:
-            while True:
-                try:
-                    ok = await self.lease.acquire_or_renew()
-                except Exception as e:  # noqa: BLE001 - NATS away: not leader until it answers
-                    log.warning("lease error=%r", e)
-                    ok = False
-                if ok and not self.leader.is_set():
-                    log.info("event=leader_acquired epoch=%s", self.lease.epoch)
-                    self.leader.set()
-                    self.wake.set()
-                elif not ok and self.leader.is_set():
-                    log.warning("event=leader_lost")
-                    self.leader.clear()
-                await asyncio.sleep(LEASE_TTL_S / 3)
-        finally:
-            self.leader.clear()
-            with contextlib.suppress(Exception):  # a successor need not wait for the lease to lapse
-                await asyncio.wait_for(self.lease.release(), 2)
+    @property
+    def leader(self) -> asyncio.Event:
+        return self.leadership.leader
 
     async def react(self, env: Envelope) -> None:
         if env.data.TYPE.startswith(RELEVANT):
@@ -101,19 +76,19 @@ class Health:
     async def watch_heartbeats(self, svc: Service) -> None:
         assert svc.log is not None
         self.kv = await svc.log.kv(HEARTBEAT_BUCKET, ttl=HEARTBEAT_TTL_S)
-        await self.heartbeats.watch(self.kv)
+        await self.heartbeats.watch(self.kv, svc.stop_event)
 
     async def read_telemetry(self, svc: Service) -> None:
         """An ephemeral ordered consumer from now on: samples and XIDs published while no one read them are not replayed."""
         assert svc.log is not None
-        while True:
+        while not svc.stop_event.is_set():
             sub = None
             try:
                 sub = await svc.log.js.subscribe(
                     "gpuorch.telemetry.>", stream=TELEMETRY_STREAM, ordered_consumer=True,
                     config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW),
                 )
-                while True:
+                while not svc.stop_event.is_set():  # also ends a loop whose cancellation wait_for swallowed
                     try:
                         msg = await sub.next_msg(timeout=1)
                     except (asyncio.TimeoutError, nats.errors.TimeoutError):
@@ -186,11 +161,8 @@ class Health:
         await self.svc.caught_up(last, timeout=5)
 
     async def decide_loop(self, svc: Service) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.tick)
-            except asyncio.TimeoutError:
-                pass
+        while not svc.stop_event.is_set():
+            await self.nap()
             self.wake.clear()
             if not self.leader.is_set() or not svc.ready.is_set():
                 continue
@@ -200,6 +172,14 @@ class Health:
                     await svc.caught_up(last, timeout=5)
             except Exception:  # noqa: BLE001 - a failed round is logged and retried on the next tick
                 log.exception("event=health_round_failed")
+
+    async def nap(self) -> None:
+        """Until woken or a tick passes (asyncio.wait, unlike wait_for on 3.11, never swallows a cancellation)."""
+        waiter = asyncio.ensure_future(self.wake.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=self.tick)
+        finally:
+            waiter.cancel()
 
     async def decide_once(self, now: float) -> int:
         """One round: lost nodes, their jobs, time limits, drains, auto-resume. Returns the last sequence appended."""
@@ -300,7 +280,7 @@ class Health:
     async def append(self, event: ev.Event, event_id: str, expected_last_subject_seq: int | None = None) -> int | None:
         """Append one decision as the leader; None if the aggregate moved on since it was read."""
         assert self.svc.log is not None
-        env = Envelope(event, id=event_id, source=SOURCE, epoch=self.lease.epoch if self.lease else None)
+        env = Envelope(event, id=event_id, source=SOURCE, epoch=self.leadership.epoch)
         try:
             return await self.svc.log.append(env, expected_last_subject_seq)
         except ConcurrencyConflict:

@@ -153,7 +153,7 @@ class Agent:
             log.warning("event=xid_watch_unavailable node=%s error=%r", self.node.node_id, e)
             return
         try:
-            while True:
+            while not svc.stop_event.is_set():
                 started = time.monotonic()
                 try:
                     xids = await asyncio.to_thread(poll_xid_events, self.nvml, event_set, XID_POLL_MS)

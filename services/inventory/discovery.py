@@ -16,7 +16,7 @@ from typing import Any
 
 import pynvml
 
-from services.inventory import profiles
+from shared import profiles
 from shared.model import GpuInfo, MigSlice, NodeInfo
 
 Nvml = Any  # the pynvml module, or an object with its call surface

@@ -22,7 +22,7 @@ from typing import Any
 
 import pynvml
 
-from services.inventory import profiles
+from shared import profiles
 from shared.model import GpuInfo, MigSlice, NodeInfo
 
 MIB = 1 << 20

@@ -6,6 +6,7 @@ from services.scheduler.core import Cycle, Policy
 from services.scheduler.snapshot import PendingJob, Snapshot, node_snap
 from shared.cluster import ClusterProjection, NodeState
 from shared.model import JobSpec
+from shared.profiles import PROFILES, build
 
 
 def queue_error(proj: ClusterProjection, queue: str) -> str | None:
@@ -21,11 +22,15 @@ def queue_error(proj: ClusterProjection, queue: str) -> str | None:
 def shape_error(proj: ClusterProjection, spec: JobSpec) -> str | None:
     """None if the gang would fit on an empty cluster (cordoned nodes count: they can come back).
 
-    With no node registered yet, every job waits: nodes may still join.
+    With no node registered yet, every job waits: nodes may still join. Node pools
+    count with as many empty nodes of their profile as they may grow to.
     """
-    if not proj.nodes:
+    if not proj.nodes and not proj.pool_shapes:
         return None
     idle = [node_snap(NodeState(info=n.info, unhealthy=n.unhealthy)) for n in proj.nodes.values() if not n.lost]
+    for pool, (profile, max_nodes) in sorted(proj.pool_shapes.items()):
+        if profile in PROFILES:
+            idle += [node_snap(NodeState(info=build(profile, f"{pool}-may-{i}"))) for i in range(min(max_nodes, spec.tasks))]
     if not idle:
         return None
     job = PendingJob("admission", spec, 0.0, 0)

@@ -136,9 +136,11 @@ class Placer:
 
     def choose(self, pod: PodShape) -> tuple[int, tuple[int, ...]] | None:
         scorer = self.scorer
-        shape = PodShape(pod.cpu, 0, pod.count, pod.milli, pod.models)  # memory is filtered here, never scored
-        key = (pod.cpu, pod.count, pod.milli, pod.models)
         mem = pod.mem
+        if getattr(scorer, "scores_memory", False):
+            shape, key = pod, (pod.cpu, pod.count, pod.milli, pod.models, mem)
+        else:  # memory is a filter only: one verdict and score serve every memory request
+            shape, key = PodShape(pod.cpu, 0, pod.count, pod.milli, pod.models), (pod.cpu, pod.count, pod.milli, pod.models)
         if not scorer.deterministic:
             return self._draw(shape, key, mem)
         best: _Class | None = None

@@ -169,7 +169,7 @@ def uniform_cluster(count: int, gpus: int = PHILLY_NODE_GPUS, model: str = "GPU"
 
 def profile_cluster(spec: str) -> tuple[NodeInfo, ...]:
     """``profile:count,...`` with the simulated node profiles of ``gpuorch up``."""
-    from services.inventory.profiles import PROFILES, build
+    from shared.profiles import PROFILES, build
 
     out = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):

@@ -9,7 +9,7 @@ import re
 import pynvml
 import pytest
 
-from services.inventory import profiles
+from shared import profiles
 from services.inventory.discovery import (
     GpuSample,
     NvmlUnavailable,

@@ -54,7 +54,10 @@ async def in_process_stack(log: EventLog, **settings_kw) -> AsyncIterator[tuple[
     from shared.runtime import Metrics, build_app
     from shared.settings import Settings
 
-    settings = Settings(**{"cycle_interval_s": 0.3, "debounce_s": 0.01, **settings_kw})
+    import tempfile
+
+    defaults = {"cycle_interval_s": 0.3, "debounce_s": 0.01, "data_dir": Path(tempfile.mkdtemp(prefix="gpuorch-test-"))}
+    settings = Settings(**{**defaults, **settings_kw})
     metrics = Metrics()
     services = {n: build_service(n, settings, metrics) for n in SERVICES}
     app = build_app(list(services.values()), [events_router(lambda: log)])

@@ -139,13 +139,13 @@ async def test_malformed_submissions_get_422_with_a_reason_and_the_log_is_unchan
         assert await eventlog.last_seq() == before
 
 
-async def test_a_second_scheduler_replica_stands_by_and_nothing_is_placed_twice(eventlog: EventLog):
+async def test_a_second_scheduler_replica_stands_by_and_nothing_is_placed_twice(eventlog: EventLog, tmp_path):
     from services.stack import build_service
     from shared.settings import Settings
     from tests.support import running
 
     async with in_process_stack(eventlog) as (client, services):
-        standby = build_service("scheduler", Settings(cycle_interval_s=0.3, debounce_s=0.01, instance="standby"))
+        standby = build_service("scheduler", Settings(cycle_interval_s=0.3, debounce_s=0.01, instance="standby", data_dir=tmp_path))
         async with running(standby, eventlog):
             await register(eventlog, *(node(f"n{i}").gpus(8).build() for i in range(2)))
             ids = [await submit(client, job(f"j{i}").gpus(1).build()) for i in range(12)]
@@ -156,3 +156,22 @@ async def test_a_second_scheduler_replica_stands_by_and_nothing_is_placed_twice(
             assert len({e["gpuorchepoch"] for e in placed}) == 1, "one leader decided every placement"
             assert services["scheduler"].projection.invalid_count == 0
             assert standby.projection.digest() == services["scheduler"].projection.digest()
+
+
+async def test_a_job_finished_long_ago_is_still_readable_from_the_sql_history(eventlog: EventLog, monkeypatch):
+    import shared.cluster
+
+    monkeypatch.setattr(shared.cluster, "KEEP_FINISHED", 2)
+    async with in_process_stack(eventlog) as (client, services):
+        ids = [await submit(client, job(f"j{i}").gpus(1).build()) for i in range(4)]
+        for i in ids:
+            assert (await client.delete(f"/v1/jobs/{i}")).status_code == 200
+        assert ids[0] not in services["scheduler"].projection.jobs  # evicted from memory
+        import asyncio
+        import time
+
+        deadline = time.monotonic() + 10
+        while (r := await client.get(f"/v1/jobs/{ids[0]}")).status_code != 200:
+            assert time.monotonic() < deadline, r.text
+            await asyncio.sleep(0.1)
+        assert r.json()["state"] == "cancelled" and r.json()["archived"] is True

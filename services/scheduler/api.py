@@ -52,6 +52,13 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             raise HTTPException(404, f"no job {job_id}")
         return job
 
+    def archived(job_id: str) -> dict[str, Any]:
+        """A job no longer in memory (finished long ago), from the SQL read model."""
+        row = scheduler.history.get(job_id)
+        if row is None:
+            raise HTTPException(404, f"no job {job_id}")
+        return {**row.model_dump(), "id": row.job_id, "placement": [], "archived": True}
+
     @r.post("/v1/jobs", status_code=201)
     async def submit(spec: JobSpec) -> dict[str, Any]:
         """Accept a job (all tasks start together or none does); 422 with the reason if it never could run."""
@@ -88,7 +95,8 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
 
     @r.get("/v1/jobs/{job_id}")
     def get_job(job_id: str) -> dict[str, Any]:
-        return job_view(known(job_id))
+        job = proj.jobs.get(job_id)
+        return job_view(job) if job is not None else archived(job_id)
 
     @r.delete("/v1/jobs/{job_id}")
     async def cancel(job_id: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from services.scheduler.api import router
 from services.scheduler.core import Plan, Policy, run_cycle
@@ -22,6 +23,7 @@ from shared.fairshare import leaves, reclaim_requests
 from shared.eventlog import ConcurrencyConflict
 from shared.events import Envelope
 from shared.leadership import Leadership
+from shared.readmodel import JobHistory
 from shared.runtime import Metrics, Service
 from shared.settings import Settings
 
@@ -39,11 +41,12 @@ class Scheduler:
         self.debounce = settings.debounce_s
         self.wake = asyncio.Event()
         self.leadership = Leadership("scheduler", on_acquired=self.wake.set)
+        self.history = JobHistory(settings.db_url, Path(settings.data_dir))
         self.svc = Service(
             "scheduler",
             SchedulerProjection(),
             reaction=self.react,
-            timers=[self.leadership.hold, self.cycle_loop],
+            timers=[self.leadership.hold, self.cycle_loop, self.keep_history],
             router=lambda svc: router(svc, self),
             snapshot_every=settings.snapshot_every,
             metrics=metrics,
@@ -53,6 +56,10 @@ class Scheduler:
     @property
     def proj(self) -> SchedulerProjection:
         return self.svc.projection  # type: ignore[return-value]
+
+    async def keep_history(self, svc: Service) -> None:
+        assert svc.log is not None
+        await self.history.follow(svc.log)
 
     # --- the cycle ----------------------------------------------------------------------
 

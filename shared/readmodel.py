@@ -1,0 +1,162 @@
+"""The job history read model: every job ever submitted, projected into SQL (SQLite file or PostgreSQL).
+
+The in-memory projections keep only recent finished jobs; this table keeps them
+all, for `GET /v1/jobs/{id}` of an old job and for reports. The projector stores
+the last applied stream sequence in the same transaction as the rows, so applying
+a batch twice (a redelivery, a restart) changes nothing: exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from sqlalchemy import Engine
+from sqlmodel import Field, Session, SQLModel, create_engine, select
+
+from shared import events as ev
+from shared.eventlog import EventLog, Undecodable
+from shared.events import Envelope
+
+log = logging.getLogger("gpuorch.readmodel")
+
+
+class JobRow(SQLModel, table=True):
+    __tablename__ = "gpuorch_jobs"
+    job_id: str = Field(primary_key=True)
+    name: str
+    queue: str = Field(index=True)
+    priority: str
+    state: str = Field(index=True)
+    tasks: int
+    gpu_milli: int
+    submitted_at: float
+    placed_at: float | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None
+    reason: str = ""
+    nodes: str = ""
+    preemptions: int = 0
+
+
+class Cursor(SQLModel, table=True):
+    __tablename__ = "gpuorch_cursors"
+    name: str = Field(primary_key=True)
+    seq: int = 0
+
+
+def engine_for(url: str | None, data_dir: Path) -> Engine:
+    """SQLite under the data dir by default; PostgreSQL (or any SQLAlchemy URL) when given."""
+    if not url:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite:///{data_dir / 'readmodel.db'}"
+    engine = create_engine(url, pool_pre_ping=True)
+    SQLModel.metadata.create_all(engine)
+    return engine
+
+
+ENDS = {ev.JobSucceeded: "succeeded", ev.JobFailed: "failed", ev.JobCancelled: "cancelled", ev.JobRejected: "rejected"}
+
+
+def fold_row(row: JobRow | None, env: Envelope) -> JobRow | None:
+    """One job event onto its row (None for events that are not about jobs, or a job never submitted)."""
+    e, t = env.data, env.timestamp
+    if isinstance(e, ev.JobSubmitted):
+        s = e.spec
+        return row or JobRow(job_id=e.job_id, name=s.name, queue=s.queue, priority=s.priority, state="submitted",
+                             tasks=s.tasks, gpu_milli=s.gpu_milli * s.tasks, submitted_at=e.submitted_at or t)
+    if row is None:
+        return None
+    if isinstance(e, ev.JobQueued):
+        row.state, row.reason = "queued", ""
+    elif isinstance(e, ev.JobUnschedulable):
+        row.reason = e.reason
+    elif isinstance(e, ev.JobPlaced):
+        row.state, row.placed_at = "placed", t
+        row.nodes = ",".join(sorted({p.node_id for p in e.placements}))
+    elif isinstance(e, ev.JobTaskStarted):
+        row.state, row.started_at = "running", row.started_at or t
+    elif isinstance(e, ev.JobPreempting):
+        row.state, row.reason = "preempting", e.reason
+    elif isinstance(e, ev.JobPreempted):
+        row.state, row.preemptions = "preempted", row.preemptions + 1
+    elif type(e) in ENDS:
+        row.state, row.ended_at = ENDS[type(e)], t
+        row.reason = getattr(e, "reason", "") or row.reason
+        row.exit_code = getattr(e, "code", None)
+    return row
+
+
+class JobHistory:
+    """Projects job events into SQL in batches, one transaction per batch with the cursor."""
+
+    def __init__(self, url: str | None, data_dir: Path, name: str = "jobs") -> None:
+        self.url, self.data_dir, self.name = url, data_dir, name
+        self._engine: Engine | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """Connected on first use: building a service (e.g. for `events verify`) touches no database."""
+        if self._engine is None:
+            self._engine = engine_for(self.url, self.data_dir)
+        return self._engine
+
+    def cursor(self) -> int:
+        with Session(self.engine) as s:
+            c = s.get(Cursor, self.name)
+            return c.seq if c else 0
+
+    def apply(self, envs: Iterable[Envelope | Undecodable]) -> int:
+        """Fold a batch; events at or below the stored cursor are skipped. Returns how many were applied."""
+        with Session(self.engine) as s, s.begin():
+            cur = s.get(Cursor, self.name, with_for_update=True) or Cursor(name=self.name, seq=0)
+            rows: dict[str, JobRow | None] = {}
+            applied = 0
+            for env in envs:
+                if env.seq <= cur.seq:
+                    continue
+                cur.seq = env.seq
+                if isinstance(env, Undecodable) or env.data.aggregate != "job":
+                    continue
+                job_id = env.data.job_id
+                if job_id not in rows:
+                    rows[job_id] = s.get(JobRow, job_id)
+                rows[job_id] = fold_row(rows[job_id], env)
+                applied += 1
+            for row in rows.values():
+                if row is not None:
+                    s.add(row)
+            s.add(cur)
+        return applied
+
+    def get(self, job_id: str) -> JobRow | None:
+        with Session(self.engine) as s:
+            return s.get(JobRow, job_id)
+
+    def list(self, queue: str | None = None, state: str | None = None, limit: int = 1000) -> list[JobRow]:
+        with Session(self.engine) as s:
+            q = select(JobRow)
+            if queue:
+                q = q.where(JobRow.queue == queue)
+            if state:
+                q = q.where(JobRow.state == state)
+            return list(s.exec(q.order_by(JobRow.submitted_at.desc()).limit(limit)))
+
+    async def follow(self, log_: EventLog, interval_s: float = 1.0, batch: int = 2000) -> None:
+        """Catch up with the log, then keep up (a service timer)."""
+        while True:
+            try:
+                chunk: list = []
+                async for rec in log_.replay(self.cursor() + 1, ["gpuorch.events.job.>"]):
+                    chunk.append(rec)
+                    if len(chunk) >= batch:
+                        await asyncio.to_thread(self.apply, chunk)
+                        chunk = []
+                if chunk:
+                    await asyncio.to_thread(self.apply, chunk)
+            except Exception as e:  # noqa: BLE001 - the next round retries from the stored cursor
+                log.warning("read model error=%r", e)
+            await asyncio.sleep(interval_s)

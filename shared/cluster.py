@@ -8,7 +8,7 @@ so a replay is deterministic even when two leaders overlapped for a moment.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from shared import events as ev
@@ -20,6 +20,11 @@ from shared.runtime import Projection
 ACTIVE = frozenset({"placed", "running", "preempting"})  # holding resources
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "rejected"})
 PENDING = frozenset({"submitted", "queued"})
+
+
+def _shallow(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields without dataclasses.asdict's deep copy (which copies pydantic models too)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 @dataclass
@@ -42,9 +47,8 @@ class NodeState:
         return MILLI - self.gpu_alloc.get(uuid, 0)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["info"] = self.info.model_dump(mode="json")
-        return d
+        return {**_shallow(self), "info": self.info.model_dump(mode="json"), "gpu_alloc": dict(self.gpu_alloc),
+                "unhealthy": dict(self.unhealthy)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "NodeState":
@@ -78,11 +82,14 @@ class JobRecord:
         return self.spec.gpu_milli * self.spec.tasks
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["spec"] = self.spec.model_dump(mode="json")
-        d["placements"] = [p.model_dump(mode="json") for p in self.placements]
-        d["tasks_exited"] = {str(k): v for k, v in self.tasks_exited.items()}
-        return d
+        return {
+            **_shallow(self),
+            "spec": self.spec.model_dump(mode="json"),
+            "placements": [p.model_dump(mode="json") for p in self.placements],
+            "tasks_exited": {str(k): v for k, v in self.tasks_exited.items()},
+            "tasks_running": list(self.tasks_running),
+            "preemptions": list(self.preemptions),
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "JobRecord":

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi import APIRouter, FastAPI, Response
 from nats.aio.msg import Msg
+from pydantic_core import from_json, to_json
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from shared.eventlog import EventLog, Record, Undecodable
@@ -103,7 +104,7 @@ class Projection:
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
     def snapshot(self) -> bytes:
-        return json.dumps(
+        return to_json(
             {
                 "seq": self.seq,
                 "applied": self.applied,
@@ -112,11 +113,10 @@ class Projection:
                 "epochs": self.epochs,
                 "state": self.state(),
             },
-            separators=(",", ":"),
-        ).encode()
+        )
 
     def restore(self, blob: bytes) -> None:
-        doc = json.loads(blob)
+        doc = from_json(blob)
         self.seq, self.applied = doc["seq"], doc["applied"]
         self.invalid_count, self.invalid_transitions = doc["invalid_count"], doc["invalid"]
         self.epochs = doc["epochs"]

@@ -14,7 +14,7 @@ from shared.eventlog import EventLog
 from shared.events import Envelope
 from shared.settings import Settings
 from tests.builders import job, node
-from tests.health.test_health_stack import history, job_when, kind, submit, until
+from tests.health.test_health_stack import history, job_when, kind, nodes_up, submit, until
 from tests.support import in_process_stack, running
 
 
@@ -25,6 +25,10 @@ async def register(log: EventLog, *nodes) -> None:
 def with_agent(n):
     """A node whose agent is expected to heartbeat (agents always report their URL)."""
     return n.model_copy(update={"agent_url": f"http://127.0.0.1:1/{n.node_id}"})
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def node_state(client: httpx.AsyncClient, node_id: str) -> str:
@@ -93,6 +97,8 @@ async def test_an_operator_drain_preempts_with_its_grace_then_the_node_is_draine
 async def test_telemetry_marks_uncorrectable_ecc_and_heat_but_not_an_application_xid(eventlog: EventLog):
     async with in_process_stack(eventlog) as (client, services):
         await register(eventlog, node("n1").gpus(4).build(), node("n2").gpus(4).build())
+        await until(lambda: _true(len(services["health"].projection.nodes) == 2), 5, "health to know the nodes")
+        await nodes_up(client, 2)
 
         async def gpu(node_id: str, index: int) -> dict:
             return (await client.get(f"/v1/nodes/{node_id}")).json()["gpus"][index]

@@ -1,0 +1,318 @@
+"""Virtual-time replay through the live scheduler's pure core.
+
+Jobs arrive, ``run_cycle`` decides, jobs end; nothing else. The cluster state is
+the fold (``ClusterProjection``) of exactly the events the live services would
+have appended (``job.submitted``, ``job.queued``, ``job.placed``, ``job.succeeded``
+...), stamped with virtual time, so a cycle here sees the snapshot a live cycle
+would have seen. A cycle runs at every instant something relevant happened (the
+live scheduler reacts to the same events); nothing else moves the clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from services.scheduler.core import Plan, Policy, job_order, run_cycle
+from services.scheduler.snapshot import PendingJob, RunningJob, Snapshot, node_snap
+from shared import events as ev
+from shared.cluster import ClusterProjection
+from shared.events import Envelope, Event
+from services.simulation.traces import TraceJob
+from shared.model import MILLI, NodeInfo
+
+ARRIVE, END, REQUEUE, CANCEL, INFRA = "arrive", "end", "requeue", "cancel", "infra"
+Signature = tuple[tuple[str, tuple[str, ...]], ...]  # per task: (node, GPU uuids)
+
+
+def signature(placements: Sequence[ev.TaskPlacement]) -> Signature:
+    """Where a job's tasks went, comparable across runs: (node, sorted GPU uuids) per task."""
+    return tuple((p.node_id, tuple(sorted(g.uuid for g in p.gpus))) for p in sorted(placements, key=lambda p: p.task))
+
+
+@dataclass
+class Outcome:
+    job_id: str
+    submitted: float
+    gpu_milli: int
+    started: float | None = None  # first placement
+    ended: float | None = None
+    placement: Signature = ()
+    preemptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    t: float
+    allocated: int  # GPU milli held
+    queued: int
+    running: int
+
+
+@dataclass
+class SimResult:
+    policy: str
+    seed: int
+    fifo: bool
+    capacity: int  # GPU milli
+    outcomes: dict[str, Outcome]
+    samples: list[Sample]
+    events: int = 0
+    cycles: int = 0
+    seconds: float = 0.0
+    invalid: list[str] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """Queueing delay (start - submit), completion time (end - submit), utilization, makespan."""
+        outs = list(self.outcomes.values())
+        waits = sorted(o.started - o.submitted for o in outs if o.started is not None)
+        jcts = [o.ended - o.submitted for o in outs if o.ended is not None and o.started is not None]
+        t0 = min((o.submitted for o in outs), default=0.0)
+        t1 = self.samples[-1].t if self.samples else t0
+        return {
+            "jobs": len(outs),
+            "started": len(waits),
+            "completed": len(jcts),
+            "never_started": len(outs) - len(waits),
+            "avg_queue_delay_s": _mean(waits),
+            "p50_queue_delay_s": _pct(waits, 50),
+            "p99_queue_delay_s": _pct(waits, 99),
+            "avg_jct_s": _mean(jcts),
+            "makespan_s": t1 - t0,
+            "utilization_pct": round(100 * self.gpu_seconds() / (self.capacity * (t1 - t0)), 3) if t1 > t0 and self.capacity else None,
+            "peak_allocation_pct": round(100 * max((s.allocated for s in self.samples), default=0) / self.capacity, 3) if self.capacity else None,
+            "max_queue": max((s.queued for s in self.samples), default=0),
+            "simulated_events": self.events,
+            "cycles": self.cycles,
+            "wall_s": round(self.seconds, 3),
+            "events_per_s": round(self.events / self.seconds) if self.seconds > 0 else None,
+            "invalid_transitions": len(self.invalid),
+        }
+
+    def gpu_seconds(self) -> float:
+        """Allocated GPU milli integrated over time (the samples are a step function)."""
+        return sum(a.allocated * (b.t - a.t) for a, b in zip(self.samples, self.samples[1:]))
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return round(sum(xs) / len(xs), 3) if xs else None
+
+
+def _pct(sorted_xs: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile."""
+    if not sorted_xs:
+        return None
+    return round(sorted_xs[max(0, math.ceil(p / 100 * len(sorted_xs)) - 1)], 3)
+
+
+class _Snapshots:
+    """The cycle's Snapshot, kept up to date as events are folded instead of rebuilt from the whole projection.
+
+    Equal to ``snapshot_from_cluster(proj, now)`` (a test checks it): nodes sorted
+    by id, pending by (submitted_at, id), running by id.
+    """
+
+    def __init__(self, proj: ClusterProjection) -> None:
+        self.proj = proj
+        self.nodes: dict[str, object] = {}
+        self.dirty: set[str] = set()
+        self.pending: dict[str, PendingJob] = {}
+        self.running: dict[str, RunningJob] = {}
+        self._nodes: tuple = ()
+
+    def touch(self, node_id: str) -> None:
+        self.dirty.add(node_id)
+
+    def queued(self, job_id: str) -> None:
+        job = self.proj.jobs[job_id]
+        self.pending[job_id] = PendingJob(job_id, job.spec, job.submitted_at, len(job.preemptions))
+
+    def placed(self, job_id: str) -> None:
+        job = self.proj.jobs[job_id]
+        self.pending.pop(job_id, None)
+        self.running[job_id] = RunningJob(job_id, job.spec, tuple(job.placements), placed_at=job.placed_at or 0.0,
+                                          started_at=job.started_at, preempting=job.state == "preempting")
+        for p in job.placements:
+            self.touch(p.node_id)
+
+    def gone(self, job_id: str, placements: Sequence[ev.TaskPlacement]) -> None:
+        self.pending.pop(job_id, None)
+        self.running.pop(job_id, None)
+        for p in placements:
+            self.touch(p.node_id)
+
+    def snapshot(self, now: float) -> Snapshot:
+        if self.dirty or len(self.nodes) != len(self.proj.nodes):
+            for node_id in self.dirty | (self.proj.nodes.keys() - self.nodes.keys()):
+                if node_id in self.proj.nodes:
+                    self.nodes[node_id] = node_snap(self.proj.nodes[node_id])
+            self.dirty.clear()
+            self._nodes = tuple(self.nodes[k] for k in sorted(self.nodes))
+        pending = tuple(sorted(self.pending.values(), key=lambda j: (j.submitted_at, j.job_id)))
+        running = tuple(self.running[k] for k in sorted(self.running))
+        return Snapshot(self._nodes, pending, running, None, now)  # type: ignore[arg-type]
+
+
+class Simulation:
+    """One replay of ``jobs`` on ``nodes`` under ``policy``; ``run()`` returns the result.
+
+    ``fifo``: strict first-come-first-served: a job never starts while an earlier
+    one waits (the cycle runs without backfill; placements after the first job left
+    waiting are dropped). ``infra``: recorded node events (cordon, drain, loss) to
+    replay at their times; nodes register at ``start``.
+    """
+
+    def __init__(
+        self,
+        nodes: Sequence[NodeInfo],
+        jobs: Sequence[TraceJob],
+        policy: Policy,
+        fifo: bool = False,
+        infra: Sequence[tuple[float, Event]] = (),
+        start: float | None = None,
+    ) -> None:
+        self.policy = policy
+        self.fifo = fifo
+        self.jobs = {j.job_id: j for j in jobs}
+        if len(self.jobs) != len(jobs):
+            raise ValueError("job ids must be unique")
+        self.proj = ClusterProjection()
+        self.snaps = _Snapshots(self.proj)
+        self.capacity = sum(MILLI for n in nodes for g in n.gpus if not g.mig_enabled)
+        self.heap: list[tuple[float, int, str, str, int]] = []
+        self.order = 0
+        self.seq = 0
+        self.generation: dict[str, int] = {}
+        self.outcomes = {j.job_id: Outcome(j.job_id, j.submit, j.spec.gpu_milli * j.spec.tasks) for j in jobs}
+        self.allocated = 0
+        self.infra = list(infra)
+        t0 = min((j.submit for j in jobs), default=0.0) if start is None else start
+        for n in nodes:
+            self._push(t0, INFRA, "", len(self.infra))
+            self.infra.append((t0, ev.NodeRegistered(node_id=n.node_id, node=n)))
+        for i, (t, _) in enumerate(self.infra[: len(infra)]):
+            self._push(t, INFRA, "", i)
+        for j in jobs:
+            self._push(j.submit, ARRIVE, j.job_id)
+            if j.cancel_at is not None:
+                self._push(j.cancel_at, CANCEL, j.job_id)
+
+    def _push(self, t: float, kind: str, job_id: str, arg: int = 0) -> None:
+        self.order += 1
+        heapq.heappush(self.heap, (t, self.order, kind, job_id, arg))
+
+    def _fold(self, event: Event, t: float) -> None:
+        self.seq += 1
+        self.proj.apply(Envelope(event, id=f"sim-{self.seq}", source="/gpuorch/simulate",
+                                 time=datetime.fromtimestamp(t, UTC), seq=self.seq))
+
+    # --- what happens at one instant ----------------------------------------------------
+
+    def _handle(self, t: float, kind: str, job_id: str, arg: int) -> bool:
+        """Fold one due event; True if the scheduler would react to it."""
+        if kind == INFRA:
+            event = self.infra[arg][1]
+            self._fold(event, t)
+            self.snaps.touch(getattr(event, "node_id", ""))
+            return True
+        job = self.proj.jobs.get(job_id)
+        if kind == ARRIVE:
+            self._fold(ev.JobSubmitted(job_id=job_id, spec=self.jobs[job_id].spec, submitted_at=t), t)
+            self._fold(ev.JobQueued(job_id=job_id), t)
+            self.snaps.queued(job_id)
+            return True
+        if job is None:
+            return False
+        if kind == END and job.state in ("placed", "running") and arg == self.generation.get(job_id):
+            self._release(job_id, ev.JobSucceeded(job_id=job_id), t)
+            return True
+        if kind == CANCEL and job.state in ("queued", "placed", "running"):
+            self._release(job_id, ev.JobCancelled(job_id=job_id, reason="cancelled (recorded)"), t)
+            return True
+        if kind == REQUEUE and job.state == "preempting" and arg == self.generation.get(job_id):
+            self._release(job_id, ev.JobPreempted(job_id=job_id), t, ended=False)
+            self._fold(ev.JobQueued(job_id=job_id), t)
+            self.snaps.queued(job_id)
+            return True
+        return False
+
+    def _release(self, job_id: str, event: Event, t: float, ended: bool = True) -> None:
+        job = self.proj.jobs[job_id]
+        held = list(job.placements) if job.state in ("placed", "running", "preempting") else []
+        self._fold(event, t)
+        self.allocated -= sum(g.milli for p in held for g in p.gpus)
+        self.snaps.gone(job_id, held)
+        if ended and held:
+            self.outcomes[job_id].ended = t
+
+    def _commit(self, plan: Plan, now: float, pending: Sequence[PendingJob]) -> None:
+        placements = plan.placements
+        if self.fifo:
+            keep = []
+            for j in job_order(pending):
+                if j.job_id not in placements:
+                    break
+                keep.append(j.job_id)
+            placements = {k: placements[k] for k in keep}
+        for job_id, p in placements.items():
+            self._fold(ev.JobPlaced(job_id=job_id, placements=p.tasks, spread=p.spread, policy=p.policy), now)
+            job = self.proj.jobs[job_id]
+            if job.state != "placed":
+                continue  # the fold refused it; recorded in proj.invalid_transitions
+            self.snaps.placed(job_id)
+            self.allocated += sum(g.milli for t in p.tasks for g in t.gpus)
+            out = self.outcomes[job_id]
+            if out.started is None:
+                out.started, out.placement = now, signature(p.tasks)
+            gen = self.generation[job_id] = self.generation.get(job_id, 0) + 1
+            duration = self.jobs[job_id].duration
+            if duration is not None:
+                self._push(now + duration, END, job_id, gen)
+        for pre in plan.preemptions:
+            job = self.proj.jobs.get(pre.job_id)
+            if job is None or job.state not in ("placed", "running"):
+                continue
+            self._fold(ev.JobPreempting(job_id=pre.job_id, reason=pre.reason, grace_s=pre.grace_s), now)
+            self.snaps.placed(pre.job_id)
+            self.outcomes[pre.job_id].preemptions += 1
+            self._push(now + pre.grace_s, REQUEUE, pre.job_id, self.generation.get(pre.job_id, 0))
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
+        t_wall = time.perf_counter()
+        samples: list[Sample] = []
+        cycles = 0
+        done = total = len(self.heap)
+        done = 0
+        while self.heap:
+            now = self.heap[0][0]
+            react = False
+            while self.heap and self.heap[0][0] == now:
+                _, _, kind, job_id, arg = heapq.heappop(self.heap)
+                react |= self._handle(now, kind, job_id, arg)
+                done += 1
+            if react and self.snaps.pending:
+                snap = self.snaps.snapshot(now)
+                self._commit(run_cycle(snap, self.policy, now), now, snap.pending)
+                cycles += 1
+            samples.append(Sample(now, self.allocated, len(self.snaps.pending), len(self.snaps.running)))
+            if progress is not None:
+                total = max(total, done + len(self.heap))
+                progress(done, total)
+        return SimResult(self.policy.name, self.policy.seed, self.fifo, self.capacity, self.outcomes, samples,
+                         events=self.seq, cycles=cycles, seconds=time.perf_counter() - t_wall,
+                         invalid=list(self.proj.invalid_transitions))
+
+
+def simulate_jobs(
+    nodes: Sequence[NodeInfo], jobs: Sequence[TraceJob], policy: str = "fgd", seed: int = 0, *,
+    backfill: bool = True, fifo: bool = False, progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
+    """Replay ``jobs`` on ``nodes`` under a named policy (FIFO: strict order, no backfill)."""
+    pol = Policy(name=policy, seed=seed, backfill=backfill and not fifo)
+    return Simulation(nodes, jobs, pol, fifo=fifo).run(progress)

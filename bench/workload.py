@@ -13,7 +13,6 @@ from shared import events as ev
 from shared.events import Envelope, GpuShare, TaskPlacement
 from shared.model import GpuInfo, JobSpec, NodeInfo, TaskResources
 
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def make_node(i: int, gpus: int = 8) -> NodeInfo:
@@ -31,17 +30,20 @@ def make_node(i: int, gpus: int = 8) -> NodeInfo:
     )
 
 
-def workload(n_events: int, n_nodes: int = 8, in_flight: int = 16, source: str = "/gpuorch/bench") -> Iterator[Envelope]:
+def workload(n_events: int, n_nodes: int = 8, in_flight: int = 16, source: str = "/gpuorch/bench",
+             start: datetime | None = None) -> Iterator[Envelope]:
     """About ``n_events`` envelopes: node registrations, then job lifecycles of 6 events each.
 
     ``in_flight`` jobs run at once (each on its own GPU), so the state always holds running jobs.
+    Events are a millisecond apart from ``start`` (default: now, so they mix with live services' events).
     """
+    t0 = start or datetime.now(UTC)
     tick = 0
 
     def env(data: ev.Event) -> Envelope:
         nonlocal tick
         tick += 1
-        return Envelope(data, id=f"w-{tick}", source=source, time=T0 + timedelta(milliseconds=tick))
+        return Envelope(data, id=f"w-{tick}", source=source, time=t0 + timedelta(milliseconds=tick))
 
     nodes = [make_node(i) for i in range(n_nodes)]
     for node in nodes:

@@ -104,7 +104,7 @@ class JobRecord:
 
 
 DEFAULT_QUEUE = "default"
-ACCOUNTING_BUCKET_S = 600  # GPU-seconds are kept per queue per 10-minute bucket
+ACCOUNTING_BUCKET_S = 3600  # GPU-seconds are kept per queue per hour
 KEEP_FINISHED = 5000  # finished jobs kept in memory; older ones are read back from the log on demand
 
 
@@ -117,7 +117,7 @@ class ClusterProjection(Projection):
         self.jobs: dict[str, JobRecord] = {}
         self.queues: dict[str, QueueSpec] = {DEFAULT_QUEUE: QueueSpec()}
         self.finished: dict[str, None] = {}  # ended job ids, oldest first (an ordered set)
-        self.accounting: dict[str, dict[int, float]] = {}  # queue -> bucket -> GPU-seconds of ended holdings
+        self.accounting: dict[str, dict[int, float]] = {}  # queue -> hour -> GPU-seconds of ended holdings
         self.pool_shapes: dict[str, tuple[str, int]] = {}  # node pool -> (profile, max nodes): nodes that may come
         self.now = 0.0  # time of the last event folded: the projection's clock
 
@@ -163,7 +163,8 @@ class ClusterProjection(Projection):
 
     def on_gpu_unhealthy(self, env: Envelope, e: ev.GpuUnhealthy) -> None:
         if node := self._node(env, e.node_id):
-            node.unhealthy[e.gpu_uuid] = f"{e.kind}{'' if e.xid is None else f' xid {e.xid}'}: {e.detail}".strip()
+            what = e.kind if e.xid is None else f"xid {e.xid}"
+            node.unhealthy[e.gpu_uuid] = f"{what}: {e.detail}" if e.detail else what
 
     def on_pool_defined(self, env: Envelope, e: ev.PoolDefined) -> None:
         self.pool_shapes[e.pool] = (e.profile, e.max_nodes)

@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 
 from pydantic_core import from_json
 
+from shared.aio import wait_event
 from shared.events import SUBJECT_PREFIX, Envelope, MalformedEvent, UnknownEventType, decode
 
 log = logging.getLogger("gpuorch.eventlog")
@@ -249,7 +250,7 @@ class EventLog:
                         env = envs[i]
                         await self.nc.publish(env.data.nats_subject, env.encode(), reply=f"{prefix}.{i}", headers=env.headers())
                     await self.nc.flush(timeout=5)
-                    await asyncio.wait_for(all_acked.wait(), 5)
+                    await wait_event(all_acked, 5)
                 except RETRYABLE:
                     pass
                 fatal = [e for e in errors.values() if e.code != 503]
@@ -342,10 +343,7 @@ class EventLog:
                 arrived.clear()
                 request = json.dumps({"batch": want, "expires": 4_000_000_000}).encode()
                 await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{consumer}", request, reply=inbox)
-                try:
-                    await asyncio.wait_for(arrived.wait(), 5)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(arrived, 5)
                 data = [m for m in got if m.reply]
                 if not data:
                     raise _ConsumerLost(consumer)

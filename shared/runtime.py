@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from pydantic_core import from_json, to_json
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from shared.aio import wait_event  # noqa: F401 - re-exported for the services
 from shared.eventlog import EventLog, Record, Undecodable
 from shared.events import REGISTRY, Envelope, Event
 from shared.telemetry import current_traceparent
@@ -100,8 +101,13 @@ class Projection:
         pass
 
     def digest(self) -> str:
-        body = {"applied": self.applied, "invalid": self.invalid_count, "state": self.state()}
-        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+        """sha256 of the canonical state; cached per position, since a poll of /v1/services should not refold."""
+        key = (self.seq, self.applied, self.invalid_count)
+        if getattr(self, "_digest_key", None) != key:
+            body = {"applied": self.applied, "invalid": self.invalid_count, "state": self.state()}
+            self._digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+            self._digest_key = key
+        return self._digest
 
     def snapshot(self) -> bytes:
         return to_json(
@@ -203,7 +209,10 @@ class Service:
         finally:
             for t in timers:
                 t.cancel()
-            await asyncio.gather(*timers, return_exceptions=True)
+            if timers:
+                _, stuck = await asyncio.wait(timers, timeout=5)
+                for t in stuck:
+                    log.error("service=%s timer=%s did not stop within 5 s", self.name, t.get_coro())
             await self.save_snapshot()
 
     def stop(self) -> None:

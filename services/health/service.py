@@ -28,7 +28,7 @@ from shared import events as ev
 from shared.eventlog import HEARTBEAT_BUCKET, TELEMETRY_STREAM, ConcurrencyConflict
 from shared.events import Envelope
 from shared.leadership import Leadership
-from shared.runtime import Metrics, Service
+from shared.runtime import Metrics, Service, wait_event
 from shared.settings import Settings
 
 log = logging.getLogger("gpuorch.health")
@@ -42,6 +42,7 @@ class Health:
     def __init__(self, settings: Settings, metrics: Metrics | None = None, policy: HealthPolicy | None = None) -> None:
         self.policy = policy or HealthPolicy(heartbeat_timeout_s=settings.heartbeat_timeout_s)
         self.tick = min(1.0, self.policy.heartbeat_timeout_s / 4)
+        self.debounce = settings.debounce_s
         self.wake = asyncio.Event()
         self.leadership = Leadership("health", on_acquired=self.wake.set)
         self.heartbeats = Heartbeats()
@@ -163,6 +164,7 @@ class Health:
     async def decide_loop(self, svc: Service) -> None:
         while not svc.stop_event.is_set():
             await self.nap()
+            await asyncio.sleep(self.debounce)  # a burst of events makes one round, not one each
             self.wake.clear()
             if not self.leader.is_set() or not svc.ready.is_set():
                 continue
@@ -174,12 +176,7 @@ class Health:
                 log.exception("event=health_round_failed")
 
     async def nap(self) -> None:
-        """Until woken or a tick passes (asyncio.wait, unlike wait_for on 3.11, never swallows a cancellation)."""
-        waiter = asyncio.ensure_future(self.wake.wait())
-        try:
-            await asyncio.wait({waiter}, timeout=self.tick)
-        finally:
-            waiter.cancel()
+        await wait_event(self.wake, self.tick)
 
     async def decide_once(self, now: float) -> int:
         """One round: lost nodes, their jobs, time limits, drains, auto-resume. Returns the last sequence appended."""

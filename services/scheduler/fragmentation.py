@@ -101,6 +101,45 @@ class FragMemo:
         return f
 
 
+def cpu_bound_frag(t: TypicalShape, model: str, cpu_left: int, desc: Sequence[int], idle: int) -> int:
+    """Idle GPU milli on one node that tasks of shape ``t`` cannot use, counting how many of them its CPU feeds.
+
+    ``desc``: free milli per GPU, largest first. Tasks take the roomiest GPUs; the
+    GPUs beyond what the CPU left (or beyond whole groups of k) are fragment.
+    """
+    m = t.gpu_milli
+    if m == 0 or not t.accepts(model):
+        return idle
+    room = [r for r in desc if r >= m]
+    tasks = len(room) // t.gpu_count
+    if t.cpu_milli:
+        tasks = min(tasks, cpu_left // t.cpu_milli)
+    return idle - sum(room[: tasks * t.gpu_count])
+
+
+class CpuAwareFragMemo(FragMemo):
+    """F for the fgd+ policy: FGD's measure, except that a shape fits a node only as often as its CPU allows.
+
+    FGD asks whether one task of each shape still fits: a node with eight idle GPUs
+    and CPU left for two tasks looks unfragmented until its CPU is gone, and by then
+    six GPUs are stranded. Here those six count as fragment from the start, so a
+    placement that eats CPU a node's idle GPUs need scores as the fragmentation it is.
+    With CPU to spare it equals FGD's measure (for one-GPU shapes exactly).
+    """
+
+    def frag(self, model: str, cpu_left: int, free: Sequence[int]) -> float:
+        desc = tuple(sorted(free, reverse=True))
+        key = (model, cpu_left, desc)
+        f = self._memo.get(key)
+        if f is None:
+            idle = sum(desc)
+            f = 0.0
+            for t in self.shapes:
+                f += t.probability * cpu_bound_frag(t, model, cpu_left, desc, idle)
+            self._memo[key] = f
+        return f
+
+
 def fgd_score(f_before: float, f_after: float) -> int:
     """floor(100 * sigmoid(delta / 1000)): integer on purpose, so that ties fall to the node order."""
     x = (f_before - f_after) / MILLI

@@ -14,10 +14,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.scheduler.fragmentation import FragMemo, TypicalShape, fgd_score
+from services.scheduler.fragmentation import CpuAwareFragMemo, FragMemo, TypicalShape, fgd_score
 from shared.model import MILLI
 
-POLICIES = ("fgd", "bestfit", "binpack", "spread", "random", "dotprod", "gpupacking", "gpuclustering")
+POLICIES = ("fgd", "bestfit", "binpack", "spread", "random", "dotprod", "gpupacking", "gpuclustering", "fgd+")
 MAX_SPEC_CPU = 128_000  # the simulator's normalisers (MaxSpecCpu, MaxSpecGpu)
 MAX_SPEC_GPU = 8_000
 
@@ -129,7 +129,8 @@ class NodeScorer:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.policy = policy
-        self.frag = FragMemo(typical)
+        self.fgd = policy in ("fgd", "fgd+")  # fgd+: FGD with CPU-aware fragmentation (fragmentation.CpuAwareFragMemo)
+        self.frag = CpuAwareFragMemo(typical) if policy == "fgd+" else FragMemo(typical)
         self.rng = random.Random(seed)
         self.max_cpu, self.max_gpu = max_cpu, max_gpu
         self.deterministic = policy != "random"
@@ -151,7 +152,7 @@ class NodeScorer:
         room = [i for i, r in enumerate(node.free) if r >= pod.milli and (ok is None or ok[i])]
         if not room:
             return None
-        if self.policy == "fgd":
+        if self.fgd:
             return self._fgd_shared(node, pod, ok)[1]
         if self.policy == "random":
             return room[self.rng.randrange(len(room))]
@@ -178,7 +179,7 @@ class NodeScorer:
 
     def score(self, node: NodeFree, pod: PodShape, ok: Mask = None) -> int | tuple[int, int]:
         p = self.policy
-        if p == "fgd":
+        if self.fgd:
             return self._fgd_shared(node, pod, ok)[0] if pod.sharing else self._fgd_whole(node, pod, ok)
         if p == "bestfit":
             return self._bestfit(node, pod)

@@ -24,12 +24,12 @@ from shared.eventlog import ConcurrencyConflict
 from shared.events import Envelope
 from shared.leadership import Leadership
 from shared.readmodel import JobHistory
-from shared.runtime import Metrics, Service
+from shared.runtime import Metrics, Service, wait_event
 from shared.settings import Settings
 
 log = logging.getLogger("gpuorch.scheduler")
 
-RELEVANT = ("job.queued", "job.succeeded", "job.failed", "job.cancelled", "job.preempted", "node.", "gpu.", "queue.")
+RELEVANT = ("job.queued", "job.requeued", "job.succeeded", "job.failed", "job.cancelled", "job.preempted", "node.", "gpu.", "queue.")
 
 
 class Scheduler:
@@ -64,11 +64,8 @@ class Scheduler:
     # --- the cycle ----------------------------------------------------------------------
 
     async def cycle_loop(self, svc: Service) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.interval)
-            except asyncio.TimeoutError:
-                pass
+        while not svc.stop_event.is_set():
+            await wait_event(self.wake, self.interval)
             await asyncio.sleep(self.debounce)  # let a burst of events land before deciding
             self.wake.clear()
             if not self.leadership.leader.is_set():

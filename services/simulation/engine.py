@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from services.scheduler.core import Plan, Policy, job_order, run_cycle
-from services.scheduler.snapshot import PendingJob, RunningJob, Snapshot, node_snap
+from services.scheduler.snapshot import PendingJob, snapshot_from_cluster
 from shared import events as ev
-from shared.cluster import ClusterProjection
+from shared.cluster import ACTIVE, TERMINAL, ClusterProjection, JobRecord
 from shared.events import Envelope, Event
 from services.simulation.traces import TraceJob
 from shared.model import MILLI, NodeInfo
@@ -109,52 +109,15 @@ def _pct(sorted_xs: Sequence[float], p: float) -> float | None:
     return round(sorted_xs[max(0, math.ceil(p / 100 * len(sorted_xs)) - 1)], 3)
 
 
-class _Snapshots:
-    """The cycle's Snapshot, kept up to date as events are folded instead of rebuilt from the whole projection.
-
-    Equal to ``snapshot_from_cluster(proj, now)`` (a test checks it): nodes sorted
-    by id, pending by (submitted_at, id), running by id.
-    """
+class _Live:
+    """The projection as a cycle reads it, without finished jobs: ``snapshot_from_cluster`` over it is the live
+    scheduler's own snapshot, at a cost that does not grow with the history."""
 
     def __init__(self, proj: ClusterProjection) -> None:
-        self.proj = proj
-        self.nodes: dict[str, object] = {}
-        self.dirty: set[str] = set()
-        self.pending: dict[str, PendingJob] = {}
-        self.running: dict[str, RunningJob] = {}
-        self._nodes: tuple = ()
-
-    def touch(self, node_id: str) -> None:
-        self.dirty.add(node_id)
-
-    def queued(self, job_id: str) -> None:
-        job = self.proj.jobs[job_id]
-        self.pending[job_id] = PendingJob(job_id, job.spec, job.submitted_at, len(job.preemptions))
-
-    def placed(self, job_id: str) -> None:
-        job = self.proj.jobs[job_id]
-        self.pending.pop(job_id, None)
-        self.running[job_id] = RunningJob(job_id, job.spec, tuple(job.placements), placed_at=job.placed_at or 0.0,
-                                          started_at=job.started_at, preempting=job.state == "preempting")
-        for p in job.placements:
-            self.touch(p.node_id)
-
-    def gone(self, job_id: str, placements: Sequence[ev.TaskPlacement]) -> None:
-        self.pending.pop(job_id, None)
-        self.running.pop(job_id, None)
-        for p in placements:
-            self.touch(p.node_id)
-
-    def snapshot(self, now: float) -> Snapshot:
-        if self.dirty or len(self.nodes) != len(self.proj.nodes):
-            for node_id in self.dirty | (self.proj.nodes.keys() - self.nodes.keys()):
-                if node_id in self.proj.nodes:
-                    self.nodes[node_id] = node_snap(self.proj.nodes[node_id])
-            self.dirty.clear()
-            self._nodes = tuple(self.nodes[k] for k in sorted(self.nodes))
-        pending = tuple(sorted(self.pending.values(), key=lambda j: (j.submitted_at, j.job_id)))
-        running = tuple(self.running[k] for k in sorted(self.running))
-        return Snapshot(self._nodes, pending, running, None, now)  # type: ignore[arg-type]
+        self.nodes = proj.nodes
+        self.jobs: dict[str, JobRecord] = {}  # queued or holding resources (the records the fold updates)
+        self.queued: set[str] = set()
+        self.holding: set[str] = set()
 
 
 class Simulation:
@@ -181,8 +144,10 @@ class Simulation:
         if len(self.jobs) != len(jobs):
             raise ValueError("job ids must be unique")
         self.proj = ClusterProjection()
-        self.snaps = _Snapshots(self.proj)
-        self.capacity = sum(MILLI for n in nodes for g in n.gpus if not g.mig_enabled)
+        self.live = _Live(self.proj)
+        registered = {n.node_id: n for n in nodes}
+        registered.update({e.node_id: e.node for _, e in infra if isinstance(e, ev.NodeRegistered)})
+        self.capacity = sum(MILLI for n in registered.values() for g in n.gpus if not g.mig_enabled)
         self.heap: list[tuple[float, int, str, str, int]] = []
         self.order = 0
         self.seq = 0
@@ -217,13 +182,12 @@ class Simulation:
         if kind == INFRA:
             event = self.infra[arg][1]
             self._fold(event, t)
-            self.snaps.touch(getattr(event, "node_id", ""))
             return True
         job = self.proj.jobs.get(job_id)
         if kind == ARRIVE:
             self._fold(ev.JobSubmitted(job_id=job_id, spec=self.jobs[job_id].spec, submitted_at=t), t)
             self._fold(ev.JobQueued(job_id=job_id), t)
-            self.snaps.queued(job_id)
+            self._track(job_id)
             return True
         if job is None:
             return False
@@ -236,16 +200,31 @@ class Simulation:
         if kind == REQUEUE and job.state == "preempting" and arg == self.generation.get(job_id):
             self._release(job_id, ev.JobPreempted(job_id=job_id), t, ended=False)
             self._fold(ev.JobQueued(job_id=job_id), t)
-            self.snaps.queued(job_id)
+            self._track(job_id)
             return True
         return False
+
+    def _track(self, job_id: str) -> None:
+        """Keep the cycle's view in step with the job's state after a fold."""
+        live = self.live
+        live.queued.discard(job_id)
+        live.holding.discard(job_id)
+        job = self.proj.jobs.get(job_id)
+        if job is None or job.state in TERMINAL:
+            live.jobs.pop(job_id, None)
+            return
+        live.jobs[job_id] = job
+        if job.state == "queued":
+            live.queued.add(job_id)
+        elif job.state in ACTIVE:
+            live.holding.add(job_id)
 
     def _release(self, job_id: str, event: Event, t: float, ended: bool = True) -> None:
         job = self.proj.jobs[job_id]
         held = list(job.placements) if job.state in ("placed", "running", "preempting") else []
         self._fold(event, t)
         self.allocated -= sum(g.milli for p in held for g in p.gpus)
-        self.snaps.gone(job_id, held)
+        self._track(job_id)
         if ended and held:
             self.outcomes[job_id].ended = t
 
@@ -263,7 +242,7 @@ class Simulation:
             job = self.proj.jobs[job_id]
             if job.state != "placed":
                 continue  # the fold refused it; recorded in proj.invalid_transitions
-            self.snaps.placed(job_id)
+            self._track(job_id)
             self.allocated += sum(g.milli for t in p.tasks for g in t.gpus)
             out = self.outcomes[job_id]
             if out.started is None:
@@ -277,7 +256,7 @@ class Simulation:
             if job is None or job.state not in ("placed", "running"):
                 continue
             self._fold(ev.JobPreempting(job_id=pre.job_id, reason=pre.reason, grace_s=pre.grace_s), now)
-            self.snaps.placed(pre.job_id)
+            self._track(pre.job_id)
             self.outcomes[pre.job_id].preemptions += 1
             self._push(now + pre.grace_s, REQUEUE, pre.job_id, self.generation.get(pre.job_id, 0))
 
@@ -287,8 +266,7 @@ class Simulation:
         t_wall = time.perf_counter()
         samples: list[Sample] = []
         cycles = 0
-        done = total = len(self.heap)
-        done = 0
+        done, total = 0, len(self.heap)
         while self.heap:
             now = self.heap[0][0]
             react = False
@@ -296,11 +274,11 @@ class Simulation:
                 _, _, kind, job_id, arg = heapq.heappop(self.heap)
                 react |= self._handle(now, kind, job_id, arg)
                 done += 1
-            if react and self.snaps.pending:
-                snap = self.snaps.snapshot(now)
+            if react and self.live.queued:
+                snap = snapshot_from_cluster(self.live, now)  # type: ignore[arg-type]
                 self._commit(run_cycle(snap, self.policy, now), now, snap.pending)
                 cycles += 1
-            samples.append(Sample(now, self.allocated, len(self.snaps.pending), len(self.snaps.running)))
+            samples.append(Sample(now, self.allocated, len(self.live.queued), len(self.live.holding)))
             if progress is not None:
                 total = max(total, done + len(self.heap))
                 progress(done, total)

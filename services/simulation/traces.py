@@ -241,6 +241,13 @@ def load_philly(path: Path, limit: int | None = None) -> list[TraceJob]:
     return jobs
 
 
+def window(jobs: Sequence[TraceJob], start_day: float, days: float) -> list[TraceJob]:
+    """The jobs submitted in [start_day, start_day + days) of the trace (days since its first job), re-based to 0."""
+    t0 = min((j.submit for j in jobs), default=0.0) + start_day * 86400
+    t1 = t0 + days * 86400
+    return [TraceJob(j.job_id, j.submit - t0, j.duration, j.spec, j.cancel_at) for j in jobs if t0 <= j.submit < t1]
+
+
 def philly_nodes_for_load(jobs: Sequence[TraceJob], load: float, gpus_per_node: int = PHILLY_NODE_GPUS) -> int:
     """Nodes such that the jobs' GPU-seconds are ``load`` x the cluster's GPU-seconds over the submit span."""
     if not jobs:

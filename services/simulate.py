@@ -1,0 +1,293 @@
+"""`gpuorch simulate`: replay a trace, or our own event history, through the scheduling core in virtual time.
+
+Inputs: ``--trace openb:DIR|POD_CSV`` (the FGD paper's method by default; ``--mode time``
+replays creation/deletion times), ``--trace philly:FILE`` (time-based, on 8-GPU nodes
+sized by ``--nodes`` or ``--load``), ``--trace jobs:DIR|YAML`` (our own job files), or
+``--from-log DATA_DIR|NATS_URL`` (the submissions a gpuorch event log recorded,
+replayed under the recorded policy and, with ``--policy X``, under X: "what if we had
+used X"). Output: a metrics JSON and a PNG next to each other (``--out``), a summary
+on the terminal, the seed and the command that reproduce the run exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from services.scheduler.placement import POLICIES
+from services.simulation import report
+from services.simulation.engine import SimResult, Simulation, simulate_jobs
+from services.simulation.paper import PaperRun, run_paper
+from services.simulation.recorded import RecordedLog, compare, recorded
+from services.simulation.traces import (
+    TraceError, TraceJob, load_job_files, load_openb_nodes, load_openb_pods, load_philly, openb_cluster, openb_jobs,
+    openb_paths, philly_nodes_for_load, profile_cluster, uniform_cluster, window, workload_name,
+)
+from services.scheduler.core import Policy
+from shared.model import NodeInfo
+from shared.settings import Settings
+
+KINDS = ("openb", "philly", "jobs")
+PAPER_SEED = 42  # the paper's first seed; time-based runs default to the live scheduler's seed, 0
+
+
+def parse_trace(text: str) -> tuple[str, Path]:
+    kind, sep, path = text.partition(":")
+    if not sep or kind not in KINDS or not path:
+        raise TraceError(f"--trace takes KIND:PATH with KIND one of {', '.join(KINDS)}, got {text!r}")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise TraceError(f"{p} does not exist")
+    return kind, p
+
+
+def parse_policies(policy: str | None, compare_with: str | None) -> list[str]:
+    names = [n.strip() for n in ",".join(x for x in (policy, compare_with) if x).split(",") if n.strip()]
+    for n in names:
+        if n not in POLICIES:
+            raise TraceError(f"unknown policy {n!r}; choose from {', '.join(POLICIES)}")
+    return list(dict.fromkeys(names))
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar on stderr (a terminal only); yields the update callback or None."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=None)
+        last = [0.0]
+
+        def update(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] > 0.2 or done >= total:
+                bar.update(task, completed=done, total=total)
+                last[0] = now
+
+        yield update
+
+
+# --- the three kinds of run -----------------------------------------------------------
+
+
+def paper_report(node_csv: Path, pod_csv: Path, policies: list[str], seed: int, load: float,
+                 progress: bool = False) -> tuple[dict[str, Any], dict[str, list[PaperRun]]]:
+    """The FGD paper's method on one openb workload: one run per policy with this seed."""
+    nodes, pods = load_openb_nodes(node_csv), load_openb_pods(pod_csv)
+    out: dict[str, Any] = {"input": {"trace": f"openb:{pod_csv}", "nodes_csv": str(node_csv), "method": "fgd-paper",
+                                     "workload": workload_name(pod_csv), "nodes": len(nodes),
+                                     "gpus": sum(n.gpus for n in nodes), "pods": len(pods), "load": load},
+                           "runs": {}}
+    runs: dict[str, list[PaperRun]] = {}
+    for name in policies:
+        with progress_bar(progress, f"{name} seed {seed}") as bar:
+            r = run_paper(nodes, pods, name, seed, load, on_pod=bar)
+        runs[name] = [r]
+        curve = r.curve(round(load * 100))
+        out["runs"][name] = {
+            "allocation_pct": {str(x): curve.get(x) for x in (100, 110, 120, 130) if x in curve},
+            "pods_arrived": len(r.arrived), "pods_failed": r.failed, "pods_resampled": r.tuned,
+            "simulated_events": len(r.arrived), "wall_s": round(r.seconds, 3),
+            "events_per_s": round(len(r.arrived) / r.seconds) if r.seconds else None,
+            "curve": curve,
+        }
+    return out, runs
+
+
+def time_report(nodes: tuple[NodeInfo, ...], jobs: list[TraceJob], policies: list[str], seed: int, *,
+                fifo: bool = False, backfill: bool = True, progress: bool = False,
+                trace: str = "") -> tuple[dict[str, Any], dict[str, SimResult]]:
+    out: dict[str, Any] = {"input": {"trace": trace, "nodes": len(nodes), "gpus": sum(len(n.gpus) for n in nodes),
+                                     "jobs": len(jobs), "fifo": fifo, "backfill": backfill and not fifo},
+                           "runs": {}}
+    results = {}
+    for name in policies:
+        with progress_bar(progress, name) as bar:
+            r = simulate_jobs(nodes, jobs, name, seed, backfill=backfill, fifo=fifo, progress=bar)
+        label = f"{name}{' fifo' if fifo else ''}"
+        results[label] = r
+        out["runs"][label] = {"metrics": r.metrics(), "timeline": report.timeline(r)}
+    return out, results
+
+
+def log_report(log: RecordedLog, policies: list[str], seed: int, progress: bool = False,
+               source: str = "") -> tuple[dict[str, Any], dict[str, SimResult]]:
+    """Replay the recorded submissions under the recorded policy (it must reproduce every recorded
+    placement) and under each other policy asked for (what would have changed)."""
+    rec = log.policy
+    names = [rec] + [p for p in policies if p != rec]
+    out: dict[str, Any] = {"input": {"from_log": source, "events": log.events, "jobs": len(log.jobs),
+                                     "recorded_policy": rec, "recorded_policies": dict(log.policies),
+                                     "nodes": sum(1 for _, e in log.infra if e.TYPE == "node.registered")},
+                           "runs": {}}
+    results = {}
+    for name in names:
+        with progress_bar(progress, name) as bar:
+            sim = Simulation((), log.jobs, Policy(name=name, seed=seed), infra=log.infra, start=log.start)
+            r = sim.run(bar)
+        label = f"{name} (recorded)" if name == rec else name
+        results[label] = r
+        out["runs"][label] = {"metrics": r.metrics(), "versus_recorded": compare(log, r),
+                              "timeline": report.timeline(r)}
+    return out, results
+
+
+async def read_history(target: str) -> RecordedLog:
+    """A running stack's NATS URL, or a stopped stack's data dir (its nats-server is started for the read)."""
+    from shared.events import Envelope
+
+    if "://" in target:
+        from services.simulation.recorded import read_log
+
+        return await read_log(target)
+    from services.cli import open_log
+
+    async with open_log(None, Path(target)) as evlog:
+        return recorded([rec async for rec in evlog.replay(1) if isinstance(rec, Envelope)])
+
+
+# --- the command ------------------------------------------------------------------------
+
+
+def simulate(
+    trace: Annotated[str | None, typer.Option(
+        "--trace", help="openb:DIR|POD_CSV, philly:FILE, or jobs:DIR|YAML (our own job files)")] = None,
+    from_log: Annotated[str | None, typer.Option(
+        "--from-log", help="replay the submissions of a gpuorch event log: a stopped stack's data dir or a NATS URL")] = None,
+    policy: Annotated[str | None, typer.Option(
+        help=f"placement policy ({', '.join(POLICIES)}); with --from-log: 'what if we had used it' (default fgd)")] = None,
+    compare_with: Annotated[str | None, typer.Option("--compare", help="more policies to run on the same input, comma-separated")] = None,
+    seed: Annotated[int | None, typer.Option(help="seed of shuffling, resampling and tie-break order (default 42 for openb, else 0 as live)")] = None,
+    load: Annotated[float | None, typer.Option(help="openb: arrivals up to this x GPU capacity (1.3); philly: size the cluster for this load (1.0)")] = None,
+    nodes: Annotated[str | None, typer.Option(help="philly: number of 8-GPU nodes; jobs: profile:count,...; openb: node CSV")] = None,
+    mode: Annotated[str | None, typer.Option(help="openb only: paper (default: the FGD paper's method) or time (creation/deletion times)")] = None,
+    fifo: Annotated[bool, typer.Option("--fifo", help="strict first-come-first-served: no job starts before an earlier one")] = False,
+    backfill: Annotated[bool, typer.Option(help="reserve for the first blocked job and backfill around it")] = True,
+    limit: Annotated[int | None, typer.Option(min=1, help="time-based traces: only the first N jobs")] = None,
+    days: Annotated[str | None, typer.Option(help="time-based traces: START:DAYS, the jobs submitted in that window")] = None,
+    out: Annotated[Path, typer.Option(help="write OUT.json and OUT.png")] = Path("simulation"),
+    as_json: Annotated[bool, typer.Option("--json", help="print the metrics JSON on stdout")] = False,
+    progress: Annotated[bool, typer.Option(help="show a progress bar on a terminal")] = True,
+) -> None:
+    """Replay a trace or recorded history through the scheduler's core in virtual time, and compare policies."""
+    err = _stderr()
+    try:
+        if (trace is None) == (from_log is None):
+            raise TraceError("give exactly one of --trace or --from-log")
+        policies = parse_policies(policy, compare_with) if from_log else parse_policies(policy or "fgd", compare_with)
+        t0 = time.perf_counter()
+        if from_log is not None:
+            used_seed = 0 if seed is None else seed
+            history = asyncio.run(read_history(from_log))
+            doc, results = log_report(history, policies, used_seed, progress, from_log)
+            png = report.plot_timelines(results, out.with_suffix(".png"), f"what if: {from_log}")
+        else:
+            kind, path = parse_trace(trace or "")
+            doc, png, used_seed = _run_trace(kind, path, policies, seed, load, nodes, mode, fifo, backfill, limit, days, progress, out)
+    except (TraceError, ValueError) as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    doc["seed"] = used_seed
+    doc["command"] = _command(trace, from_log, policy, compare_with, used_seed, load, nodes, mode, fifo, backfill, limit, days, out)
+    doc["wall_s"] = round(time.perf_counter() - t0, 3)
+    doc["plot"] = str(png)
+    out.with_suffix(".json").parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    if as_json:
+        print(json.dumps(doc, indent=1))
+    else:
+        _summary(doc, out)
+
+
+def _run_trace(kind: str, path: Path, policies: list[str], seed: int | None, load: float | None, nodes: str | None,
+               mode: str | None, fifo: bool, backfill: bool, limit: int | None, days: str | None, progress: bool,
+               out: Path) -> tuple[dict[str, Any], Path, int]:
+    if kind == "openb" and (mode or "paper") == "paper":
+        node_csv, pod_csv = openb_paths(path)
+        node_csv = Path(nodes) if nodes else node_csv
+        used = PAPER_SEED if seed is None else seed
+        doc, runs = paper_report(node_csv, pod_csv, policies, used, load or 1.3, progress)
+        return doc, report.plot_paper(runs, out.with_suffix(".png"), f"openb {workload_name(pod_csv)}, seed {used}"), used
+    if mode not in (None, "time"):
+        raise TraceError("--mode is paper or time (and paper is for openb traces only)")
+    used = 0 if seed is None else seed
+    if kind == "openb":
+        node_csv, pod_csv = openb_paths(path)
+        cluster = openb_cluster(load_openb_nodes(Path(nodes) if nodes else node_csv))
+        jobs = openb_jobs(load_openb_pods(pod_csv))
+    elif kind == "philly":
+        jobs = load_philly(path)
+    else:
+        jobs = load_job_files(path)
+        cluster = profile_cluster(nodes or Settings().nodes)
+    jobs.sort(key=lambda j: (j.submit, j.job_id))
+    if days:
+        start, _, span = days.partition(":")
+        jobs = window(jobs, float(start), float(span or 1))
+    jobs = jobs[:limit] if limit else jobs
+    if kind == "philly":
+        cluster = uniform_cluster(int(nodes) if nodes else philly_nodes_for_load(jobs, load or 1.0))
+    doc, results = time_report(cluster, jobs, policies, used, fifo=fifo, backfill=backfill, progress=progress,
+                               trace=f"{kind}:{path}")
+    return doc, report.plot_timelines(results, out.with_suffix(".png"), f"{kind}: {path.name}, seed {used}"), used
+
+
+def _command(trace, from_log, policy, compare_with, seed, load, nodes, mode, fifo, backfill, limit, days, out) -> str:
+    """The command line that reproduces this run exactly (every default that matters made explicit)."""
+    args = ["gpuorch", "simulate"]
+    for flag, value in (("--trace", trace), ("--from-log", from_log), ("--policy", policy), ("--compare", compare_with),
+                        ("--seed", seed), ("--load", load), ("--nodes", nodes), ("--mode", mode), ("--limit", limit),
+                        ("--days", days), ("--out", out)):
+        if value is not None:
+            args += [flag, str(value)]
+    args += ["--fifo"] if fifo else []
+    args += [] if backfill else ["--no-backfill"]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _stderr():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _summary(doc: dict[str, Any], out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"simulation (seed {doc['seed']})")
+    runs = doc["runs"]
+    if doc["input"].get("method") == "fgd-paper":
+        for col in ("policy", "alloc@100", "alloc@110", "alloc@120", "alloc@130", "failed pods", "events/s"):
+            table.add_column(col, justify="right")
+        for name, r in runs.items():
+            a = r["allocation_pct"]
+            table.add_row(name, *(f"{a.get(x, float('nan')):.2f}" for x in ("100", "110", "120", "130")),
+                          str(r["pods_failed"]), str(r["events_per_s"]))
+    else:
+        cols = ("avg_queue_delay_s", "p99_queue_delay_s", "avg_jct_s", "utilization_pct", "makespan_s", "events_per_s")
+        table.add_column("run")
+        for c in cols:
+            table.add_column(c.replace("_", " "), justify="right")
+        table.add_column("same placement", justify="right")
+        for name, r in runs.items():
+            m, vs = r["metrics"], r.get("versus_recorded")
+            same = f"{vs['same_placement']}/{vs['recorded_placements']}" if vs else "-"
+            table.add_row(name, *("-" if m[c] is None else f"{m[c]:,.1f}" for c in cols), same)
+    console.print(table)
+    console.print(f"wrote {out.with_suffix('.json')} and {doc['plot']}; reproduce with: {doc['command']}", highlight=False)

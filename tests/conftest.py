@@ -104,14 +104,15 @@ async def eventlog(nats_url: str) -> AsyncIterator[EventLog]:
 
 @pytest.fixture
 def agents(tmp_path: Path, nats_url: str):
+    """Start simulated agents as real processes: ``agents("a", "b", profile="t4-4x")`` -> [AgentProc, ...]."""
     made: list[AgentProc] = []
 
-    def make(node_id: str, profile: str = "t4-4x") -> AgentProc:
-        work = tmp_path / "agents" / node_id
-        work.mkdir(parents=True)
-        a = AgentProc(nats_url, node_id, work, profile).start()
-        made.append(a)
-        return a
+    def make(*node_ids: str, profile: str = "t4-4x") -> list[AgentProc]:
+        for node_id in node_ids:
+            work = tmp_path / "agents" / node_id
+            work.mkdir(parents=True)
+            made.append(AgentProc(nats_url, node_id, work, profile).start())
+        return made[-len(node_ids):]
 
     yield make
     for a in made:

@@ -74,6 +74,10 @@ class AgentProc:
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
     def start(self) -> "AgentProc":
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "agent", "--backend", "simulated", "--profile", self.profile,
@@ -83,16 +87,28 @@ class AgentProc:
         return self
 
     def kill(self) -> None:
+        """SIGKILL the agent alone (its tasks live on in their own sessions)."""
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
+    def signal(self, sig: int) -> None:
+        """The agent process alone: its tasks run in their own sessions."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+    def task_pids(self) -> list[int]:
+        return [int(p.read_text()) for p in self.work.glob("jobs/*/*/*/pid") if p.read_text().strip()]
+
     def stop_everything(self) -> None:
-        self.kill()
-        for pid_file in self.work.glob("jobs/*/*/*/pid"):
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for pid in self.task_pids():
             try:
-                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
 
 
@@ -104,3 +120,9 @@ async def until(check, timeout: float = 20.0, what: str = "condition"):
             return result
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.1)
+
+
+async def nodes_up(client, n: int) -> None:
+    async def check():
+        return len((await client.get("/v1/nodes")).json()) >= n
+    await until(check, 30, f"{n} agents to register")

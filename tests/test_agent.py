@@ -11,13 +11,7 @@ from shared import events as ev
 from shared.eventlog import EventLog
 from shared.events import Envelope
 from tests.builders import job
-from tests.support import in_process_stack, until
-
-
-async def nodes_up(client: httpx.AsyncClient, n: int) -> None:
-    async def check():
-        return len((await client.get("/v1/nodes")).json()) >= n
-    await until(check, 30, f"{n} agents to register")
+from tests.support import in_process_stack, nodes_up, until
 
 
 async def final(client: httpx.AsyncClient, job_id: str, states=("succeeded", "failed", "cancelled")) -> dict:
@@ -33,7 +27,7 @@ PRINT_ENV = ["python3", "-c", "import os, json; print(json.dumps({k: os.environ.
 
 async def test_a_two_task_gang_runs_as_two_processes_with_a_torchrun_environment(eventlog: EventLog, agents):
     async with in_process_stack(eventlog) as (client, _):
-        agents("a"), agents("b")
+        agents("a", "b")
         await nodes_up(client, 2)
         spec = job("envs").gpus(4).tasks(2).build().model_copy(update={"command": tuple(PRINT_ENV)})
         job_id = (await client.post("/v1/jobs", json=spec.model_dump(mode="json"))).json()["id"]
@@ -67,7 +61,7 @@ async def test_a_task_exiting_3_fails_the_job_with_code_3(eventlog: EventLog, ag
 
 async def test_an_agent_killed_while_its_task_runs_re_adopts_it_and_never_starts_it_twice(eventlog: EventLog, agents, tmp_path):
     async with in_process_stack(eventlog) as (client, services):
-        agent = agents("a")
+        agent = agents("a")[0]
         await nodes_up(client, 1)
         marker = tmp_path / "runs"
         cmd = ("sh", "-c", f"echo run >> {marker}; sleep 2")
@@ -85,7 +79,7 @@ async def test_an_agent_killed_while_its_task_runs_re_adopts_it_and_never_starts
 
 async def test_a_task_gone_while_its_agent_was_down_is_reported_lost(eventlog: EventLog, agents):
     async with in_process_stack(eventlog) as (client, _):
-        agent = agents("a")
+        agent = agents("a")[0]
         await nodes_up(client, 1)
         spec = job("doomed").gpus(1).build().model_copy(update={"command": ("sleep", "30")})
         job_id = (await client.post("/v1/jobs", json=spec.model_dump(mode="json"))).json()["id"]

@@ -262,12 +262,13 @@ class Simulation:
 
     # --- the loop -------------------------------------------------------------------------
 
-    def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
+    def run(self, progress: Callable[[int, int], None] | None = None, until: float | None = None) -> SimResult:
+        """Process every event (up to virtual time ``until``); a cycle after each instant that changed something."""
         t_wall = time.perf_counter()
         samples: list[Sample] = []
         cycles = 0
         done, total = 0, len(self.heap)
-        while self.heap:
+        while self.heap and (until is None or self.heap[0][0] <= until):
             now = self.heap[0][0]
             react = False
             while self.heap and self.heap[0][0] == now:

@@ -11,25 +11,9 @@ import httpx
 
 from shared.eventlog import EventLog
 from tests.builders import job
-from tests.support import in_process_stack
+from tests.support import in_process_stack, nodes_up, until
 
 SLEEPER = ("sleep", "60")
-
-
-async def until(check, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(0.1)
-
-
-async def nodes_up(client: httpx.AsyncClient, n: int) -> None:
-    async def check():
-        return len((await client.get("/v1/nodes")).json()) >= n
-    await until(check, 30, f"{n} agents to register")
 
 
 async def submit(client: httpx.AsyncClient, spec) -> str:

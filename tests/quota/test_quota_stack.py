@@ -31,7 +31,7 @@ async def held(client, queue: str) -> float:
 
 async def test_a_borrower_gives_back_the_guarantee_within_grace_and_nothing_is_lost(eventlog: EventLog, agents):
     async with in_process_stack(eventlog, reclaim_grace_s=1) as (client, services):
-        agents("a"), agents("b")  # 2 x 4 T4 GPUs
+        agents("a", "b")  # 2 x 4 T4 GPUs
         await until(lambda: _n_nodes(client, 2), 30, "agents to register")
         await put_queue(client, "research", {"guaranteed": {"gpus": 4}})
         await put_queue(client, "production", {"guaranteed": {"gpus": 4}})

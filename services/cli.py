@@ -524,6 +524,15 @@ def events_schema(directory: Annotated[Path, typer.Argument(help="where to write
     console.print(f"wrote {len(paths)} schemas to {directory}")
 
 
+def _register_simulate() -> None:
+    from services.simulate import simulate
+
+    app.command(help="Replay a trace or recorded history through the same cores in virtual time; compare policies.")(simulate)
+
+
+_register_simulate()
+
+
 def main() -> None:
     app()
 

@@ -25,14 +25,13 @@ import typer
 
 from services.scheduler.placement import POLICIES
 from services.simulation import report
-from services.simulation.engine import SimResult, Simulation, simulate_jobs
+from services.simulation.engine import SimResult, Simulation, live_policy, simulate_jobs
 from services.simulation.paper import PaperRun, run_paper
 from services.simulation.recorded import RecordedLog, compare, recorded
 from services.simulation.traces import (
     TraceError, TraceJob, load_job_files, load_openb_nodes, load_openb_pods, load_philly, openb_cluster, openb_jobs,
     openb_paths, philly_nodes_for_load, profile_cluster, uniform_cluster, window, workload_name,
 )
-from services.scheduler.core import Policy
 from shared.model import NodeInfo
 from shared.settings import Settings
 
@@ -137,9 +136,9 @@ def log_report(log: RecordedLog, policies: list[str], seed: int, progress: bool 
     results = {}
     for name in names:
         with progress_bar(progress, name) as bar:
-            sim = Simulation((), log.jobs, Policy(name=name, seed=seed), infra=log.infra, start=log.start)
+            sim = Simulation((), log.jobs, live_policy(name, seed), infra=log.infra, start=log.start)
             r = sim.run(bar)
-        label = f"{name} (recorded)" if name == rec else name
+        label = (f"{name} (recorded)" if log.policies else f"{name} (live default)") if name == rec else name
         results[label] = r
         out["runs"][label] = {"metrics": r.metrics(), "versus_recorded": compare(log, r),
                               "timeline": report.timeline(r)}
@@ -269,25 +268,27 @@ def _summary(doc: dict[str, Any], out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)
     table = Table(title=f"simulation (seed {doc['seed']})")
     runs = doc["runs"]
     if doc["input"].get("method") == "fgd-paper":
-        for col in ("policy", "alloc@100", "alloc@110", "alloc@120", "alloc@130", "failed pods", "events/s"):
+        for col in ("policy", "alloc % @100", "@110", "@120", "@130", "failed pods", "events/s"):
             table.add_column(col, justify="right")
         for name, r in runs.items():
             a = r["allocation_pct"]
-            table.add_row(name, *(f"{a.get(x, float('nan')):.2f}" for x in ("100", "110", "120", "130")),
+            table.add_row(name, *(f"{a[x]:.2f}" if x in a else "-" for x in ("100", "110", "120", "130")),
                           str(r["pods_failed"]), str(r["events_per_s"]))
     else:
-        cols = ("avg_queue_delay_s", "p99_queue_delay_s", "avg_jct_s", "utilization_pct", "makespan_s", "events_per_s")
+        cols = (("avg_queue_delay_s", "avg wait s"), ("p99_queue_delay_s", "p99 wait s"), ("avg_jct_s", "avg JCT s"),
+                ("utilization_pct", "util %"), ("makespan_s", "makespan s"), ("events_per_s", "events/s"))
         table.add_column("run")
-        for c in cols:
-            table.add_column(c.replace("_", " "), justify="right")
-        table.add_column("same placement", justify="right")
+        for _, label in cols:
+            table.add_column(label, justify="right")
+        table.add_column("same placement as recorded", justify="right")
         for name, r in runs.items():
             m, vs = r["metrics"], r.get("versus_recorded")
             same = f"{vs['same_placement']}/{vs['recorded_placements']}" if vs else "-"
-            table.add_row(name, *("-" if m[c] is None else f"{m[c]:,.1f}" for c in cols), same)
+            table.add_row(name, *("-" if m[k] is None else f"{m[k]:,.1f}" for k, _ in cols), same)
     console.print(table)
-    console.print(f"wrote {out.with_suffix('.json')} and {doc['plot']}; reproduce with: {doc['command']}", highlight=False)
+    console.print(f"wrote {out.with_suffix('.json')} and {doc['plot']}", highlight=False)
+    console.print(f"reproduce with: {doc['command']}", highlight=False, soft_wrap=True)

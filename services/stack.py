@@ -118,10 +118,41 @@ def up(settings: Settings, split: bool = False) -> None:
     setup_tracing("gpuorch")
     if port_open(settings.port, settings.host):
         raise SystemExit(f"error: port {settings.port} is in use; pick another with --port")
-    with data_dir_lock(settings.data_dir), embedded_nats(settings) as server:
+    with data_dir_lock(settings.data_dir):
+        stop_stale_nats(settings.data_dir)
+        _up_locked(settings, split)
+
+
+def stop_stale_nats(data_dir: Path) -> None:
+    """A stack killed with SIGKILL leaves its nats-server and simulated agents (their own sessions)
+    behind, the server holding the store: stop them before starting again."""
+    try:
+        info = json.loads((data_dir / "stack.json").read_text())
+    except (OSError, ValueError):
+        return
+    for pid in [info.get("nats_pid"), *info.get("agent_pids", [])]:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") if pid else ""
+        except OSError:
+            continue
+        if str(data_dir) in cmdline or str(data_dir.resolve()) in cmdline:
+            log.warning("event=stale_process_stopped pid=%s data_dir=%s", pid, data_dir)
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(100):
+                if not Path(f"/proc/{pid}").exists():
+                    break
+                time.sleep(0.1)
+            else:
+                os.kill(pid, signal.SIGKILL)
+
+
+def _up_locked(settings: Settings, split: bool) -> None:
+    with embedded_nats(settings) as server:
         nats_url = server.url if server else settings.nats_url or ""
         write_stack_file(settings, nats_url, split, server.proc.pid if server and server.proc else None)
         agents = spawn_agents(settings, nats_url, parse_nodes(settings.nodes))
+        info = json.loads((settings.data_dir / "stack.json").read_text())
+        (settings.data_dir / "stack.json").write_text(json.dumps({**info, "agent_pids": [a.pid for a in agents]}, indent=2))
         try:
             if split:
                 _run_split(settings, nats_url)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -44,3 +45,7 @@ def test_a_fresh_install_answers_healthz_within_15_seconds(tmp_path: Path):
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+            stack = tmp_path / "d" / "stack.json"
+            nats_pid = json.loads(stack.read_text()).get("nats_pid") if stack.exists() else None
+            if nats_pid and Path(f"/proc/{nats_pid}").exists():
+                os.kill(nats_pid, signal.SIGKILL)  # the embedded server runs in its own session

@@ -1,11 +1,12 @@
-"""Virtual-time replay through the live scheduler's pure core.
+"""Virtual-time replay through the live scheduler's own decision function.
 
-Jobs arrive, ``run_cycle`` decides, jobs end; nothing else. The cluster state is
-the fold (``ClusterProjection``) of exactly the events the live services would
+Jobs arrive, the scheduler decides, jobs end; nothing else. The cluster state is
+the fold (``SchedulerProjection``) of exactly the events the live services would
 have appended (``job.submitted``, ``job.queued``, ``job.placed``, ``job.succeeded``
-...), stamped with virtual time, so a cycle here sees the snapshot a live cycle
-would have seen. A cycle runs at every instant something relevant happened (the
-live scheduler reacts to the same events); nothing else moves the clock.
+...), stamped with virtual time, and each cycle is ``service.decide`` on that
+fold, as in the scheduler service (fair-share entitlements, reclaim, then
+``run_cycle``). A cycle runs at every instant something the scheduler reacts to
+happened (arrivals, ends, node events); nothing else moves the clock.
 """
 
 from __future__ import annotations
@@ -13,17 +14,20 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from services.scheduler.core import Plan, Policy, job_order, run_cycle
-from services.scheduler.snapshot import PendingJob, snapshot_from_cluster
-from shared import events as ev
-from shared.cluster import ACTIVE, TERMINAL, ClusterProjection, JobRecord
-from shared.events import Envelope, Event
+from services.scheduler.core import Plan, Policy, job_order
+from services.scheduler.projection import SchedulerProjection
+from services.scheduler.service import decide
+from services.scheduler.snapshot import PendingJob
 from services.simulation.traces import TraceJob
+from shared import events as ev
+from shared.cluster import ACTIVE, TERMINAL
+from shared.events import Envelope, Event
 from shared.model import MILLI, NodeInfo
+from shared.settings import Settings
 
 ARRIVE, END, REQUEUE, CANCEL, INFRA = "arrive", "end", "requeue", "cancel", "infra"
 Signature = tuple[tuple[str, tuple[str, ...]], ...]  # per task: (node, GPU uuids)
@@ -66,13 +70,20 @@ class SimResult:
     seconds: float = 0.0
     invalid: list[str] = field(default_factory=list)
 
-    def metrics(self) -> dict[str, float | int | None]:
-        """Queueing delay (start - submit), completion time (end - submit), utilization, makespan."""
-        outs = list(self.outcomes.values())
+    def metrics(self, jobs: Collection[str] | None = None, window: tuple[float, float] | None = None
+                ) -> dict[str, float | int | None]:
+        """Queueing delay (start - submit), completion time (end - submit), utilization, makespan.
+
+        ``jobs``: measure only these (e.g. not the warm-up); ``window``: utilization over this
+        span of virtual time (default: first submission to the last instant).
+        """
+        outs = [o for o in self.outcomes.values() if jobs is None or o.job_id in jobs]
         waits = sorted(o.started - o.submitted for o in outs if o.started is not None)
         jcts = [o.ended - o.submitted for o in outs if o.ended is not None and o.started is not None]
         t0 = min((o.submitted for o in outs), default=0.0)
-        t1 = self.samples[-1].t if self.samples else t0
+        ends = [o.ended for o in outs if o.ended is not None]
+        t_last = max(ends) if ends and len(ends) == len(outs) else (self.samples[-1].t if self.samples else t0)
+        a, b = window or (t0, t_last)
         return {
             "jobs": len(outs),
             "started": len(waits),
@@ -82,8 +93,8 @@ class SimResult:
             "p50_queue_delay_s": _pct(waits, 50),
             "p99_queue_delay_s": _pct(waits, 99),
             "avg_jct_s": _mean(jcts),
-            "makespan_s": t1 - t0,
-            "utilization_pct": round(100 * self.gpu_seconds() / (self.capacity * (t1 - t0)), 3) if t1 > t0 and self.capacity else None,
+            "makespan_s": round(t_last - t0, 3),
+            "utilization_pct": round(100 * self.gpu_seconds(a, b) / (self.capacity * (b - a)), 3) if b > a and self.capacity else None,
             "peak_allocation_pct": round(100 * max((s.allocated for s in self.samples), default=0) / self.capacity, 3) if self.capacity else None,
             "max_queue": max((s.queued for s in self.samples), default=0),
             "simulated_events": self.events,
@@ -93,9 +104,14 @@ class SimResult:
             "invalid_transitions": len(self.invalid),
         }
 
-    def gpu_seconds(self) -> float:
-        """Allocated GPU milli integrated over time (the samples are a step function)."""
-        return sum(a.allocated * (b.t - a.t) for a, b in zip(self.samples, self.samples[1:]))
+    def gpu_seconds(self, a: float = -math.inf, b: float = math.inf) -> float:
+        """Allocated GPU milli integrated over [a, b] (the samples are a step function)."""
+        total = 0.0
+        for s, nxt in zip(self.samples, self.samples[1:]):
+            lo, hi = max(s.t, a), min(nxt.t, b)
+            if hi > lo:
+                total += s.allocated * (hi - lo)
+        return total
 
 
 def _mean(xs: Sequence[float]) -> float | None:
@@ -109,15 +125,11 @@ def _pct(sorted_xs: Sequence[float], p: float) -> float | None:
     return round(sorted_xs[max(0, math.ceil(p / 100 * len(sorted_xs)) - 1)], 3)
 
 
-class _Live:
-    """The projection as a cycle reads it, without finished jobs: ``snapshot_from_cluster`` over it is the live
-    scheduler's own snapshot, at a cost that does not grow with the history."""
-
-    def __init__(self, proj: ClusterProjection) -> None:
-        self.nodes = proj.nodes
-        self.jobs: dict[str, JobRecord] = {}  # queued or holding resources (the records the fold updates)
-        self.queued: set[str] = set()
-        self.holding: set[str] = set()
+def live_policy(name: str, seed: int = 0, backfill: bool = True, settings: Settings | None = None) -> Policy:
+    """The Policy the scheduler service builds from its settings, with this node scorer and seed."""
+    s = settings or Settings()
+    return Policy(name=name, seed=seed, backfill=backfill, reclaim_grace_s=s.reclaim_grace_s,
+                  max_preemptions_per_hour=s.max_preemptions_per_hour)
 
 
 class Simulation:
@@ -137,14 +149,17 @@ class Simulation:
         fifo: bool = False,
         infra: Sequence[tuple[float, Event]] = (),
         start: float | None = None,
+        half_life_s: float | None = None,
     ) -> None:
         self.policy = policy
+        self.half_life_s = Settings().half_life_s if half_life_s is None else half_life_s
         self.fifo = fifo
         self.jobs = {j.job_id: j for j in jobs}
         if len(self.jobs) != len(jobs):
             raise ValueError("job ids must be unique")
-        self.proj = ClusterProjection()
-        self.live = _Live(self.proj)
+        self.proj = SchedulerProjection()
+        self.queued: set[str] = set()
+        self.holding: set[str] = set()
         registered = {n.node_id: n for n in nodes}
         registered.update({e.node_id: e.node for _, e in infra if isinstance(e, ev.NodeRegistered)})
         self.capacity = sum(MILLI for n in registered.values() for g in n.gpus if not g.mig_enabled)
@@ -205,19 +220,16 @@ class Simulation:
         return False
 
     def _track(self, job_id: str) -> None:
-        """Keep the cycle's view in step with the job's state after a fold."""
-        live = self.live
-        live.queued.discard(job_id)
-        live.holding.discard(job_id)
+        """Keep the counts of waiting and holding jobs in step with the job's state after a fold."""
+        self.queued.discard(job_id)
+        self.holding.discard(job_id)
         job = self.proj.jobs.get(job_id)
         if job is None or job.state in TERMINAL:
-            live.jobs.pop(job_id, None)
             return
-        live.jobs[job_id] = job
         if job.state == "queued":
-            live.queued.add(job_id)
+            self.queued.add(job_id)
         elif job.state in ACTIVE:
-            live.holding.add(job_id)
+            self.holding.add(job_id)
 
     def _release(self, job_id: str, event: Event, t: float, ended: bool = True) -> None:
         job = self.proj.jobs[job_id]
@@ -228,11 +240,15 @@ class Simulation:
         if ended and held:
             self.outcomes[job_id].ended = t
 
+    def _fifo_order(self) -> list[PendingJob]:
+        jobs = [self.proj.jobs[j] for j in self.queued]
+        return job_order([PendingJob(j.job_id, j.spec, j.submitted_at) for j in jobs])
+
     def _commit(self, plan: Plan, now: float, pending: Sequence[PendingJob]) -> None:
         placements = plan.placements
         if self.fifo:
             keep = []
-            for j in job_order(pending):
+            for j in pending:
                 if j.job_id not in placements:
                     break
                 keep.append(j.job_id)
@@ -275,11 +291,11 @@ class Simulation:
                 _, _, kind, job_id, arg = heapq.heappop(self.heap)
                 react |= self._handle(now, kind, job_id, arg)
                 done += 1
-            if react and self.live.queued:
-                snap = snapshot_from_cluster(self.live, now)  # type: ignore[arg-type]
-                self._commit(run_cycle(snap, self.policy, now), now, snap.pending)
+            if react and self.queued:
+                order = self._fifo_order() if self.fifo else []
+                self._commit(decide(self.proj, self.policy, now, self.half_life_s), now, order)
                 cycles += 1
-            samples.append(Sample(now, self.allocated, len(self.live.queued), len(self.live.holding)))
+            samples.append(Sample(now, self.allocated, len(self.queued), len(self.holding)))
             if progress is not None:
                 total = max(total, done + len(self.heap))
                 progress(done, total)
@@ -293,5 +309,4 @@ def simulate_jobs(
     backfill: bool = True, fifo: bool = False, progress: Callable[[int, int], None] | None = None,
 ) -> SimResult:
     """Replay ``jobs`` on ``nodes`` under a named policy (FIFO: strict order, no backfill)."""
-    pol = Policy(name=policy, seed=seed, backfill=backfill and not fifo)
-    return Simulation(nodes, jobs, pol, fifo=fifo).run(progress)
+    return Simulation(nodes, jobs, live_policy(policy, seed, backfill and not fifo), fifo=fifo).run(progress)

@@ -72,7 +72,7 @@ def recorded(envelopes: Iterable[Envelope]) -> RecordedLog:
                 job.first = signature(e.placements)
                 out.placed_at[e.job_id] = t
                 out.policies[e.policy or "?"] += 1
-        elif isinstance(e, ev.JobPreempted):
+        elif isinstance(e, (ev.JobPreempted, ev.JobRequeued)):
             job.holding = False
         elif isinstance(e, ENDS) and job.ended is None:
             job.ended = t

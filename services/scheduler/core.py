@@ -339,7 +339,8 @@ class Cycle:
                 and (ent is None or staying.get(r.queue, 0.0) > ent.get(r.queue, 0.0))
                 and not self.policy.protected(r, self.now)
             ]
-            pool.sort(key=lambda r: (r.priority_rank, lost_gpu_seconds(r, self.now), r.job_id))
+            qprio = self.policy.queue_priority
+            pool.sort(key=lambda r: (qprio.get(r.queue, 0), r.priority_rank, lost_gpu_seconds(r, self.now), r.job_id))
             freed = 0.0
             for v in pool:
                 if freed >= need:

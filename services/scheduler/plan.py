@@ -30,6 +30,7 @@ class Policy:
     max_preemptors: int = 16  # victim searches per cycle; the rest wait for the next cycle
     reclaim_grace_s: int = 300
     min_runtime_s: Mapping[str, int] = field(default_factory=dict)  # per queue: never evict a younger job
+    queue_priority: Mapping[str, int] = field(default_factory=dict)  # reclaim takes from low-priority queues first
     max_preemptions_per_hour: int = 3  # thrashing guard: a job evicted this often in the last hour stays
 
     def protected(self, job: "RunningJob", now: float) -> bool:

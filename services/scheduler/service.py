@@ -170,6 +170,16 @@ class Scheduler:
         log.info("event=%s job=%s", event.TYPE.split(".")[1], getattr(event, "job_id", ""))
 
 
+def effective_priority(queues: dict, path: str) -> int:
+    """A leaf's reclaim priority: its own, else its nearest ancestor's (production > research > exploration)."""
+    while path:
+        spec = queues.get(path)
+        if spec is not None and spec.priority:
+            return spec.priority
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+    return 0
+
+
 def decide(proj: SchedulerProjection, policy: Policy, now: float, half_life_s: float) -> Plan:
     """One cycle from the folded state: entitlements and reclaim requests from the fair share, then the core."""
     queues = proj.queues
@@ -177,7 +187,11 @@ def decide(proj: SchedulerProjection, policy: Policy, now: float, half_life_s: f
     leaf_ent = {q: division.entitlement.get(q, 0.0) for q in leaves(queues)}
     alloc, pending = proj.queue_load()
     reclaims = reclaim_requests(queues, alloc, pending, leaf_ent)
-    policy = replace(policy, min_runtime_s={q: s.preempt_min_runtime_s for q, s in queues.items() if s.preempt_min_runtime_s})
+    policy = replace(
+        policy,
+        min_runtime_s={q: s.preempt_min_runtime_s for q, s in queues.items() if s.preempt_min_runtime_s},
+        queue_priority={q: effective_priority(queues, q) for q in queues},
+    )
     return run_cycle(snapshot_from_cluster(proj, now, leaf_ent), policy, now, reclaims)
 
 

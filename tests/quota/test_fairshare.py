@@ -150,3 +150,27 @@ def test_the_thrashing_guard_leaves_a_job_preempted_too_often_this_hour_alone():
     snap = c.snapshot(now=100, entitlements={"owner": 4, "borrower": 0})
     assert [p.job_id for p in reclaim(snap, [("owner", 4)], Policy(max_preemptions_per_hour=3), now=100)] == ["old"]
     assert [p.job_id for p in reclaim(snap, [("owner", 4)], Policy(max_preemptions_per_hour=4), now=100)] == ["young"]
+
+
+def test_reclaim_takes_from_the_lowest_priority_queue_first():
+    from services.scheduler.core import Policy, reclaim
+    from tests.builders import cluster, job, node
+
+    c = cluster(node("n1").gpus(8))
+    c.running(job("r").gpus(4).queue("research").build(), on=[("n1", [0, 1, 2, 3])], job_id="r", started_at=0)
+    c.running(job("e").gpus(4).queue("exploration").build(), on=[("n1", [4, 5, 6, 7])], job_id="e", started_at=50)
+    snap = c.snapshot(now=100, entitlements={"production": 4, "research": 0, "exploration": 0})
+    policy = Policy(queue_priority={"production": 2, "research": 1, "exploration": 0})
+    assert [p.job_id for p in reclaim(snap, [("production", 4)], policy, now=100)] == ["e"]
+    # the older research job costs more GPU-hours, yet a lower queue priority makes it the victim
+    policy = Policy(queue_priority={"production": 2, "research": 0, "exploration": 1})
+    assert [p.job_id for p in reclaim(snap, [("production", 4)], policy, now=100)] == ["r"]
+
+
+def test_a_leaf_inherits_its_parents_reclaim_priority():
+    from services.scheduler.service import effective_priority
+
+    queues = {"production": QueueSpec(priority=2), "production.inference": QueueSpec(), "research.nlp": QueueSpec(priority=1)}
+    assert effective_priority(queues, "production.inference") == 2
+    assert effective_priority(queues, "research.nlp") == 1
+    assert effective_priority(queues, "exploration") == 0

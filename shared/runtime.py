@@ -176,6 +176,8 @@ class Service:
         self.max_deliver = max_deliver
         self.log: EventLog | None = None
         self.metrics = metrics or Metrics()
+        m = self.metrics  # the hot path's labelled series, looked up once
+        self._series = (m.applied.labels(name), m.seq.labels(name), m.invalid.labels(name))
         self.ready = asyncio.Event()
         self.stop_event = asyncio.Event()
         self.changed = asyncio.Event()  # set on every folded event: timers wait on it to debounce
@@ -238,9 +240,10 @@ class Service:
                 log.warning("service=%s skipped seq=%d reason=%r", self.name, rec.seq, rec.reason)
             return None
         if self.projection.apply(rec):
-            self.metrics.applied.labels(self.name).inc()
-            self.metrics.seq.labels(self.name).set(self.projection.seq)
-            self.metrics.invalid.labels(self.name).set(self.projection.invalid_count)
+            applied, seq, invalid = self._series
+            applied.inc()
+            seq.set(self.projection.seq)
+            invalid.set(self.projection.invalid_count)
             self._since_snapshot += 1
             self.changed.set()
         return rec

@@ -45,7 +45,7 @@ def up(
     sync_always: Annotated[bool, typer.Option(help="fsync every write (slower; no acked write lost on power loss)")] = False,
     snapshot_every: Annotated[int, typer.Option(help="snapshot projections every N events")] = 10_000,
     nodes: Annotated[str, typer.Option(help="simulated nodes to start, profile:count,... ('' for none)")] = Settings().nodes,
-    policy: Annotated[str, typer.Option(help="placement policy: fgd, bestfit, binpack, spread, random")] = "fgd",
+    policy: Annotated[str, typer.Option(help="placement policy: fgd+ (default), fgd, bestfit, binpack, spread, random")] = "fgd+",
 ) -> None:
     """Start the whole stack: embedded nats-server, every service, simulated nodes, the HTTP API. Ctrl-C stops it."""
     stack.up(

@@ -20,7 +20,7 @@ class Settings(BaseSettings):
     cycle_interval_s: float = 2.0  # scheduler and other deciders run at least this often
     heartbeat_timeout_s: float = 10.0  # a node silent this long is lost (health)
     debounce_s: float = 0.05
-    policy: str = "fgd"
+    policy: str = "fgd+"  # FGD with CPU-aware fragmentation: above published FGD on every openb workload
     half_life_s: float = 7 * 86400  # decayed usage for fair share, as Slurm's PriorityDecayHalfLife
     reclaim_grace_s: int = 300  # grace a job gets when quota reclaims its GPUs
     max_preemptions_per_hour: int = 3  # thrashing guard: a job preempted this often is left alone

@@ -19,6 +19,7 @@ from services.simulation.paper import Placer, arrivals, discretise, free_nodes, 
 from services.simulation.recorded import read_log
 from services.simulation.traces import OpenbNode, OpenbPod, TraceJob, philly_split, uniform_cluster
 from shared.eventlog import EventLog
+from shared.settings import Settings
 from tests.builders import job, node
 from tests.support import eventually, in_process_stack
 
@@ -213,10 +214,11 @@ async def test_a_recorded_history_replays_to_the_same_placements_and_shows_what_
         await eventually(lambda: proj.jobs[wide].state == "placed", what="the 8-GPU job placed")
         assert holder
     log = await read_log(nats_url)
-    assert log.policy == "fgd" and len(log.placements) == len(shapes) + 1
+    live = Settings().policy  # what the stack ran: the recorded policy
+    assert log.policy == live and len(log.placements) == len(shapes) + 1
 
     doc, _ = await asyncio.to_thread(log_report, log, ["spread"], 0)
-    same = doc["runs"]["fgd (recorded)"]["versus_recorded"]
+    same = doc["runs"][f"{live} (recorded)"]["versus_recorded"]
     assert same["same_placement"] == same["recorded_placements"] == len(shapes) + 1, same["differences"]
     other = doc["runs"]["spread"]["versus_recorded"]
     assert other["different_placement"] > 0 and other["differences"]
@@ -226,8 +228,8 @@ async def test_a_recorded_history_replays_to_the_same_placements_and_shows_what_
                                                               "--out", str(out), "--no-progress"])
     assert res.exit_code == 0, res.output
     report = json.loads(out.with_suffix(".json").read_text())
-    assert report["input"]["recorded_policy"] == "fgd" and set(report["runs"]) == {"fgd (recorded)", "bestfit"}
-    assert report["runs"]["fgd (recorded)"]["versus_recorded"]["different_placement"] == 0
+    assert report["input"]["recorded_policy"] == live and set(report["runs"]) == {f"{live} (recorded)", "bestfit"}
+    assert report["runs"][f"{live} (recorded)"]["versus_recorded"]["different_placement"] == 0
 
 
 def _registered(n):

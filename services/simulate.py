@@ -162,6 +162,38 @@ async def read_history(target: str) -> RecordedLog:
 # --- the command ------------------------------------------------------------------------
 
 
+def _run_scenario(name: str, hours: float, seed: int, out: Path, as_json: bool) -> None:
+    """Queues sharing a cluster through the live fold, fair share and cycle (services/simulation/fairshare.py)."""
+    from rich.console import Console
+
+    from services.simulation.fairshare import fairshare_1000, run, weighted
+
+    if name == "fairshare-1000":
+        chosen = fairshare_1000()
+    elif name.startswith("weights-"):
+        try:
+            chosen = weighted(tuple(float(w) for w in name.removeprefix("weights-").split(":")))
+        except ValueError:
+            raise typer.BadParameter(f"weights-A:B:C takes numbers, got {name!r}") from None
+    else:
+        raise typer.BadParameter(f"unknown scenario {name!r}: fairshare-1000 or weights-A:B:C")
+    t0 = time.perf_counter()
+    result = run(chosen, hours, seed)
+    result["events_per_s"] = round(result["events"] / max(1e-9, time.perf_counter() - t0), 1)
+    result["command"] = f"gpuorch simulate --scenario {name} --hours {hours:g} --seed {seed}"
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    console = Console()
+    console.print(f"[bold]{name}[/bold], {hours:g} simulated hours, {result['gpus']} GPUs, seed {seed}: "
+                  f"{result['events']} events at {result['events_per_s']}/s")
+    for q, h in result["gpu_hours"].items():
+        console.print(f"  {q:<24} {h:>10.1f} GPU-h  {100 * result['share'][q]:5.1f} %")
+    console.print(f"  Jain's index (weight-normalised): {result['jain_index_weighted']}; "
+                  f"preemptions: {result['preemptions']}; invalid transitions: {result['invalid_transitions']}")
+
+
 def simulate(
     trace: Annotated[str | None, typer.Option(
         "--trace", help="openb:DIR|POD_CSV, philly:FILE, or jobs:DIR|YAML (our own job files)")] = None,
@@ -181,13 +213,19 @@ def simulate(
     out: Annotated[Path, typer.Option(help="write OUT.json and OUT.png")] = Path("simulation"),
     as_json: Annotated[bool, typer.Option("--json", help="print the metrics JSON on stdout")] = False,
     progress: Annotated[bool, typer.Option(help="show a progress bar on a terminal")] = True,
+    scenario: Annotated[str | None, typer.Option(
+        help="a named fair-share scenario instead of a trace: fairshare-1000, or weights-A:B:C (saturating queues)")] = None,
+    hours: Annotated[float, typer.Option(help="--scenario: simulated hours")] = 24.0,
 ) -> None:
     """Replay a trace or recorded history through the scheduler's core in virtual time, and compare policies."""
     err = _stderr()
+    if scenario is not None:
+        _run_scenario(scenario, hours, 1 if seed is None else seed, out, as_json)
+        return
     try:
         if (trace is None) == (from_log is None):
-            raise TraceError("give exactly one of --trace or --from-log")
-        policies = parse_policies(policy, compare_with) if from_log else parse_policies(policy or "fgd", compare_with)
+            raise TraceError("give exactly one of --trace, --from-log or --scenario")
+        policies = parse_policies(policy, compare_with) if from_log else parse_policies(policy or "fgd+", compare_with)
         t0 = time.perf_counter()
         if from_log is not None:
             used_seed = 0 if seed is None else seed

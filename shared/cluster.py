@@ -382,15 +382,15 @@ class ClusterProjection(Projection):
             for g in n.info.gpus if g.healthy and g.uuid not in n.unhealthy
         ))
 
-    def queue_load(self) -> tuple[dict[str, float], dict[str, float]]:
-        """(allocated, pending) GPUs per leaf queue."""
+    def queue_load(self, waited_before: float | None = None) -> tuple[dict[str, float], dict[str, float]]:
+        """(allocated, pending) GPUs per leaf queue; with ``waited_before``, only jobs waiting since then count as pending."""
         alloc: dict[str, float] = {}
         pending: dict[str, float] = {}
         for job in self.jobs.values():
             gpus = job.gpu_milli_total / MILLI
             if job.state in ACTIVE:
                 alloc[job.spec.queue] = alloc.get(job.spec.queue, 0.0) + gpus
-            elif job.state in PENDING:
+            elif job.state in PENDING and (waited_before is None or job.updated_at <= waited_before):
                 pending[job.spec.queue] = pending.get(job.spec.queue, 0.0) + gpus
         return alloc, pending
 

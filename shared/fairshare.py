@@ -155,17 +155,24 @@ def jain_index(values: list[float]) -> float:
 
 def reclaim_requests(
     queues: Mapping[str, QueueSpec], allocated: Mapping[str, float], pending: Mapping[str, float],
-    entitlement: Mapping[str, float],
+    entitlement: Mapping[str, float], smallest_waiting: Mapping[str, float] | None = None,
+    tolerance: float = 0.05,
 ) -> list[tuple[str, float]]:
     """Queues below their guarantee with work waiting, and how many GPUs they are owed back.
 
     A queue never asks for more than brings it to min(guarantee, entitlement): a
-    reclaimer is never lifted above what its siblings are held to.
+    reclaimer is never lifted above what its siblings are held to. Nor does it ask
+    for less than its smallest waiting job needs: evicting for a deficit no job of
+    its can use would only churn, and a deficit within ``tolerance`` of the guarantee
+    is left to ordinary churn (jobs ending) to close.
     """
+    smallest_waiting = smallest_waiting or {}
     out = []
     for q in leaves(queues):
         have, waiting = allocated.get(q, 0.0), pending.get(q, 0.0)
         target = min(queues[q].guaranteed.gpus, entitlement.get(q, 0.0), have + waiting)
-        if waiting > EPS and target - have > EPS:
-            out.append((q, target - have))
+        owed = target - have
+        floor = max(smallest_waiting.get(q, 0.0), tolerance * queues[q].guaranteed.gpus)
+        if waiting > EPS and owed > EPS and owed >= floor - EPS:
+            out.append((q, owed))
     return out

@@ -23,6 +23,7 @@ class Settings(BaseSettings):
     policy: str = "fgd+"  # FGD with CPU-aware fragmentation: above published FGD on every openb workload
     half_life_s: float = 7 * 86400  # decayed usage for fair share, as Slurm's PriorityDecayHalfLife
     reclaim_grace_s: int = 300  # grace a job gets when quota reclaims its GPUs
+    reclaim_after_s: float = 0.0  # a queue below its guarantee reclaims only for work that waited this long
     max_preemptions_per_hour: int = 3  # thrashing guard: a job preempted this often is left alone
     db_url: str | None = None  # read models: SQLite file under data_dir by default, PostgreSQL by URL
     log_level: str = "INFO"

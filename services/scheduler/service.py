@@ -78,7 +78,7 @@ class Scheduler:
     async def run_once(self) -> Plan:
         now = time.time()
         t0 = time.perf_counter()
-        plan = decide(self.proj, self.policy, now, self.settings.half_life_s)
+        plan = decide(self.proj, self.policy, now, self.settings.half_life_s, self.settings.reclaim_after_s)
         self.svc.metrics.cycle_seconds.labels("scheduler").observe(time.perf_counter() - t0)
         await self.commit(plan, now)
         return plan
@@ -180,13 +180,18 @@ def effective_priority(queues: dict, path: str) -> int:
     return 0
 
 
-def decide(proj: SchedulerProjection, policy: Policy, now: float, half_life_s: float) -> Plan:
+def decide(proj: SchedulerProjection, policy: Policy, now: float, half_life_s: float, reclaim_after_s: float = 0.0) -> Plan:
     """One cycle from the folded state: entitlements and reclaim requests from the fair share, then the core."""
     queues = proj.queues
     division = proj.division(now, half_life_s)
     leaf_ent = {q: division.entitlement.get(q, 0.0) for q in leaves(queues)}
-    alloc, pending = proj.queue_load()
-    reclaims = reclaim_requests(queues, alloc, pending, leaf_ent)
+    # reclaim only for work that has waited a while: ordinary churn often frees the GPUs first, without evicting anyone
+    alloc, waiting = proj.queue_load(waited_before=now - reclaim_after_s)
+    smallest: dict[str, float] = {}
+    for job in proj.jobs.values():
+        if job.state == "queued":
+            smallest[job.spec.queue] = min(smallest.get(job.spec.queue, float("inf")), job.gpu_milli_total / 1000)
+    reclaims = reclaim_requests(queues, alloc, waiting, leaf_ent, smallest)
     policy = replace(
         policy,
         min_runtime_s={q: s.preempt_min_runtime_s for q, s in queues.items() if s.preempt_min_runtime_s},

@@ -39,6 +39,7 @@ class Scenario:
     step_s: float = 60.0
     half_life_s: float = 86400.0
     grace_s: int = 300
+    reclaim_after_s: float = 600.0  # reclaim for work that waited this long: churn frees most GPUs first
 
 
 def fairshare_1000() -> Scenario:
@@ -113,7 +114,7 @@ def run(scenario: Scenario, hours: float, seed: int = 1, policy: Policy | None =
                                resources=TaskResources(gpus=rng.choice(scenario.job_gpus)))
                 job_id = f"j{sim.jobs_made:07d}"
                 sim.emit(ev.JobSubmitted(job_id=job_id, spec=spec), ev.JobQueued(job_id=job_id))
-        plan = decide(sim.proj, policy, sim.t, scenario.half_life_s)
+        plan = decide(sim.proj, policy, sim.t, scenario.half_life_s, reclaim_after_s=scenario.reclaim_after_s)
         for job_id, p in plan.placements.items():
             sim.emit(ev.JobPlaced(job_id=job_id, placements=p.tasks, spread=p.spread, policy=p.policy))
             sim.ends[job_id] = sim.t + 60 * rng.randint(*scenario.job_minutes)

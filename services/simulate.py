@@ -162,6 +162,47 @@ async def read_history(target: str) -> RecordedLog:
 # --- the command ------------------------------------------------------------------------
 
 
+def _run_autoscaled(trace: str, pool: str, idle: str, policy: str, limit: int | None, days: str | None,
+                    out: Path, as_json: bool) -> None:
+    """A time-based trace on an empty cluster whose pool the autoscaler's planner grows and shrinks."""
+    from rich.console import Console
+
+    from services.autoscaler.scaling import PoolSpec
+    from services.simulation.autoscaled import AutoscaledSimulation
+    from services.simulation.engine import live_policy
+
+    try:
+        kind, path = parse_trace(trace)
+        profile, max_nodes, *rest = pool.split(":")
+        timeouts = [float(x) for x in idle.split(",")]
+        delay = float(rest[0]) if rest else 120.0
+        jobs = load_philly(path) if kind == "philly" else load_job_files(path) if kind == "jobs" else None
+        if jobs is None:
+            raise TraceError("--pool takes a philly: or jobs: trace")
+        jobs.sort(key=lambda j: (j.submit, j.job_id))
+        if days:
+            start, _, span = days.partition(":")
+            jobs = window(jobs, float(start), float(span or 1))
+        jobs = jobs[:limit] if limit else jobs
+        runs = {}
+        for t in timeouts:
+            sim = AutoscaledSimulation([], jobs, live_policy(policy), PoolSpec("pool", profile, 0, int(max_nodes), delay, t))
+            m = sim.run().metrics()
+            runs[f"{t:g}"] = {"nodes_bought": sim.pool.bought, "node_hours": round(sim.node_hours(), 1), **m}
+    except (TraceError, ValueError) as e:
+        _stderr().print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    doc = {"trace": trace, "pool": pool, "policy": policy, "idle_timeouts": runs}
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    if as_json:
+        print(json.dumps(doc, indent=2))
+        return
+    console = Console()
+    for t, r in runs.items():
+        console.print(f"idle timeout {t} s: {r['nodes_bought']} nodes bought, {r['node_hours']} node-hours, "
+                      f"average wait {r['avg_queue_delay_s']} s, p99 {r['p99_queue_delay_s']} s")
+
+
 def _run_scenario(name: str, hours: float, seed: int, out: Path, as_json: bool) -> None:
     """Queues sharing a cluster through the live fold, fair share and cycle (services/simulation/fairshare.py)."""
     from rich.console import Console
@@ -216,11 +257,17 @@ def simulate(
     scenario: Annotated[str | None, typer.Option(
         help="a named fair-share scenario instead of a trace: fairshare-1000, or weights-A:B:C (saturating queues)")] = None,
     hours: Annotated[float, typer.Option(help="--scenario: simulated hours")] = 24.0,
+    pool: Annotated[str | None, typer.Option(
+        help="time-based traces: start empty and autoscale a pool PROFILE:MAX_NODES[:DELAY_S] (e.g. dgx-h100:64:120)")] = None,
+    idle_timeout: Annotated[str, typer.Option(help="--pool: idle timeouts to compare, seconds, comma-separated")] = "300,3600",
 ) -> None:
     """Replay a trace or recorded history through the scheduler's core in virtual time, and compare policies."""
     err = _stderr()
     if scenario is not None:
         _run_scenario(scenario, hours, 1 if seed is None else seed, out, as_json)
+        return
+    if pool is not None:
+        _run_autoscaled(trace or "", pool, idle_timeout, policy or "fgd+", limit, days, out, as_json)
         return
     try:
         if (trace is None) == (from_log is None):

@@ -54,7 +54,7 @@ class AutoscaledSimulation(Simulation):
                 self._buy(t, self.pool.spec.min_nodes - len(self.pool.nodes) - self.pool.in_flight)
             if self.heap:  # keep ticking while anything is left to happen
                 self._push(t + self.tick_s, TICK, "")
-            return bool(self.queued)
+            return False  # a tick changes no job: nodes arriving or leaving wake the cycle themselves
         react = super()._handle(t, kind, job_id, arg)
         if kind == "infra" and isinstance(self.infra[arg][1], ev.NodeRegistered):
             node_id = self.infra[arg][1].node_id

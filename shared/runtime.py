@@ -27,7 +27,6 @@ from nats.aio.msg import Msg
 from pydantic_core import from_json, to_json
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from shared.aio import wait_event  # noqa: F401 - re-exported for the services
 from shared.eventlog import EventLog, Record, Undecodable
 from shared.events import REGISTRY, Envelope, Event
 from shared.telemetry import current_traceparent

@@ -45,7 +45,7 @@ def wait_until(cond: Callable[[], bool], timeout: float = 15.0, what: str = "con
 
 
 @contextlib.asynccontextmanager
-async def in_process_stack(log: EventLog, **settings_kw) -> AsyncIterator[tuple["httpx.AsyncClient", dict[str, Service]]]:
+async def in_process_stack(log: EventLog, **settings_kw) -> AsyncIterator[tuple[object, dict[str, Service]]]:
     """Every service in this event loop against a real nats-server, the API through ASGI."""
     import httpx
 

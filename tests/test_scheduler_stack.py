@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from shared import events as ev
 from shared.eventlog import EventLog

@@ -28,7 +28,8 @@ from shared import events as ev
 from shared.eventlog import HEARTBEAT_BUCKET, TELEMETRY_STREAM, ConcurrencyConflict
 from shared.events import Envelope
 from shared.leadership import Leadership
-from shared.runtime import Metrics, Service, wait_event
+from shared.aio import wait_event
+from shared.runtime import Metrics, Service
 from shared.settings import Settings
 
 log = logging.getLogger("gpuorch.health")

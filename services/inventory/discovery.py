@@ -51,17 +51,6 @@ class XidEvent:
 # --- discovery ---------------------------------------------------------------------
 
 
-def discover_simulated(
-    profile: str,
-    node_id: str,
-    labels: Mapping[str, str] | None = None,
-    rack: str = "",
-    zone: str = "",
-    mig: Mapping[int, Sequence[str]] | None = None,
-) -> NodeInfo:
-    return profiles.build(profile, node_id, labels=labels, rack=rack, zone=zone, mig=mig)
-
-
 def discover_nvml(
     nvml: Nvml = pynvml,
     *,

@@ -24,7 +24,8 @@ from shared.eventlog import ConcurrencyConflict
 from shared.events import Envelope
 from shared.leadership import Leadership
 from shared.readmodel import JobHistory
-from shared.runtime import Metrics, Service, wait_event
+from shared.aio import wait_event
+from shared.runtime import Metrics, Service
 from shared.settings import Settings
 
 log = logging.getLogger("gpuorch.scheduler")

@@ -330,7 +330,7 @@ class WorkState:
         self._place(n)
         return undo
 
-    def give(self, footprint: Footprint) -> Undo:
+    def give(self, footprint: Footprint) -> tuple:
         """Hand back what a running job holds (for "what if it ended" questions)."""
         undo = []
         for idx, gpus, cpu, mem, tag in footprint:

@@ -15,7 +15,6 @@ from services.inventory.discovery import (
     NvmlUnavailable,
     XidEvent,
     discover_nvml,
-    discover_simulated,
     model_name,
     poll_xid_events,
     register_xid_events,
@@ -74,7 +73,7 @@ def test_nvml_discovery_reports_exactly_the_profile_with_mig(layout):
 
 
 def test_simulated_discovery_is_the_profile():
-    assert discover_simulated("t4-4x", "n-1", labels={"pool": "train"}, rack="r1", zone="z1") == node("t4-4x")
+    assert profiles.build("t4-4x", "n-1", labels={"pool": "train"}, rack="r1", zone="z1") == node("t4-4x")
 
 
 # --- NVLink topology -----------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
@@ -77,6 +78,27 @@ def _ack_positions(reply: str) -> tuple[int, int]:
     return int(tokens[7]), int(tokens[10])  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>.<token>
 
 
+_WHITESPACE = re.compile(rb"\s")
+
+
+def _parse_header_lines(raw: bytes) -> dict[str, str]:
+    """nats-py's header-block parser, same rules, without a generator per character of every name.
+
+    It ran at ~25 µs per message on our five headers and was the largest single cost of a replay.
+    Installed on our own client instance only (see ``EventLog.connect``).
+    """
+    out: dict[str, str] = {}
+    for line in raw.split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        name = name.strip()
+        if not name.isascii() or _WHITESPACE.search(name):
+            continue
+        out[name.decode("ascii")] = value.strip().decode("utf-8", "replace")
+    return out
+
+
 def _decode_msg(msg: Msg) -> Record:
     return _decode_body(msg.data, msg.metadata.sequence.stream)
 
@@ -119,6 +141,7 @@ class EventLog:
             reconnected_cb=_reconnected,
             error_cb=_error,
         )
+        nc._parse_header_lines = _parse_header_lines  # this instance only: same rules, faster
         self = cls(nc, replicas)
         if ensure:
             await self.ensure_streams()
@@ -325,6 +348,8 @@ class EventLog:
             pass
 
     async def _pull_all(self, consumer: str, pending: int, batch: int) -> AsyncIterator[Record]:
+        """Pull ``pending`` messages in batches; the next batch is requested before this one is decoded,
+        so the server sends while we fold (the two share this machine's cores)."""
         inbox = self.nc.new_inbox()
         got: list[Msg] = []
         arrived = asyncio.Event()
@@ -335,21 +360,26 @@ class EventLog:
             if len(got) >= want or not msg.reply:  # a status message (timeout, no messages) ends a round
                 arrived.set()
 
+        async def request(n: int) -> None:
+            nonlocal got, want
+            got, want = [], n
+            arrived.clear()
+            body = json.dumps({"batch": n, "expires": 4_000_000_000}).encode()
+            await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{consumer}", body, reply=inbox)
+
         sub = await self.nc.subscribe(inbox, cb=collect)
         try:
+            await request(min(batch, pending))
             while pending > 0:
-                want = min(batch, pending)
-                got.clear()
-                arrived.clear()
-                request = json.dumps({"batch": want, "expires": 4_000_000_000}).encode()
-                await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{consumer}", request, reply=inbox)
                 await wait_event(arrived, 5)
                 data = [m for m in got if m.reply]
                 if not data:
                     raise _ConsumerLost(consumer)
+                pending = _ack_positions(data[-1].reply)[1]
+                if pending > 0:
+                    await request(min(batch, pending))
                 for msg in data:
-                    seq, pending = _ack_positions(msg.reply)
-                    yield _decode_body(msg.data, seq)
+                    yield _decode_body(msg.data, _ack_positions(msg.reply)[0])
         finally:
             await sub.unsubscribe()
 

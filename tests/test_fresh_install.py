@@ -46,6 +46,7 @@ def test_a_fresh_install_answers_healthz_within_15_seconds(tmp_path: Path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             stack = tmp_path / "d" / "stack.json"
-            nats_pid = json.loads(stack.read_text()).get("nats_pid") if stack.exists() else None
-            if nats_pid and Path(f"/proc/{nats_pid}").exists():
-                os.kill(nats_pid, signal.SIGKILL)  # the embedded server runs in its own session
+            info = json.loads(stack.read_text()) if stack.exists() else {}
+            for pid in [info.get("nats_pid"), *info.get("agent_pids", [])]:  # each runs in its own session
+                if pid and Path(f"/proc/{pid}").exists():
+                    os.kill(pid, signal.SIGKILL)

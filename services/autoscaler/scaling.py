@@ -68,30 +68,26 @@ def scale_up(
     policy = replace(policy or Policy(name="bestfit"), backfill=False, preempt=False)
     if not waiting:
         return {}
-    base = run_cycle(replace(snapshot, pending=tuple(waiting), running=snapshot.running), policy, snapshot.taken_at)
+    base = run_cycle(replace(snapshot, pending=tuple(waiting)), policy, snapshot.taken_at)
     left = [j for j in waiting if j.job_id not in base.placements]
     out: dict[str, int] = {}
     for pool in sorted(pools, key=lambda p: p.spec.name):
         room = pool.spec.affordable(pool.size) - pool.size
         if room <= 0 or not left:
             continue
-        best_k, best_placed = 0, 0
+        extra: tuple = ()
+        best_k, best_placed = 0, frozenset()
         for k in range(1, room + 1):
-            extra = tuple(node_snap(NodeState(info=make_node(pool.spec.profile, f"{pool.spec.name}-hyp-{i}")))
-                          for i in range(k))
+            extra += (node_snap(NodeState(info=make_node(pool.spec.profile, f"{pool.spec.name}-hyp-{k}"))),)
             trial = replace(snapshot, nodes=snapshot.nodes + extra, pending=tuple(left))
-            placed = sum(1 for j in left if j.job_id in run_cycle(trial, policy, snapshot.taken_at).placements)
-            if placed > best_placed:
+            placed = frozenset(run_cycle(trial, policy, snapshot.taken_at).placements)
+            if len(placed) > len(best_placed):
                 best_k, best_placed = k, placed
-            if placed == len(left):
+            if len(placed) == len(left):
                 break
         if best_k:
             out[pool.spec.name] = best_k
-            extra = tuple(node_snap(NodeState(info=make_node(pool.spec.profile, f"{pool.spec.name}-hyp-{i}")))
-                          for i in range(best_k))
-            placed_now = run_cycle(replace(snapshot, nodes=snapshot.nodes + extra, pending=tuple(left)), policy,
-                                   snapshot.taken_at).placements
-            left = [j for j in left if j.job_id not in placed_now]
+            left = [j for j in left if j.job_id not in best_placed]
     return out
 
 

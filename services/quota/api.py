@@ -61,7 +61,7 @@ def router(svc: Service, half_life_s: float) -> APIRouter:
         if why := tree_error(proj.queues, path, spec):
             raise HTTPException(422, why)
         parent = parent_of(path)
-        if parent and parent in proj.queues and _has_jobs(proj, parent, exact=True):
+        if parent and parent in proj.queues and _has_jobs(proj, parent):
             raise HTTPException(409, f"queue {parent} holds jobs: it cannot get child queues")
         event = ev.QueueUpdated(path=path, spec=spec) if path in proj.queues else ev.QueueDefined(path=path, spec=spec)
         seq = (await svc.emit(event))[0]
@@ -75,7 +75,7 @@ def router(svc: Service, half_life_s: float) -> APIRouter:
         kids = children(proj.queues).get(path)
         if kids:
             raise HTTPException(409, f"queue {path} has child queues ({', '.join(kids[:5])}): delete them first")
-        if _has_jobs(proj, path, exact=True):
+        if _has_jobs(proj, path):
             raise HTTPException(409, f"queue {path} still has pending or running jobs")
         seq = (await svc.emit(ev.QueueDeleted(path=path)))[0]
         await svc.caught_up(seq)
@@ -98,7 +98,7 @@ def router(svc: Service, half_life_s: float) -> APIRouter:
     return r
 
 
-def _has_jobs(proj: ClusterProjection, path: str, exact: bool) -> bool:
+def _has_jobs(proj: ClusterProjection, path: str) -> bool:
+    """Jobs submitted to exactly this queue that have not ended."""
     live = ACTIVE | PENDING | {"preempted"}
-    return any(j.state in live and (j.spec.queue == path or (not exact and j.spec.queue.startswith(path + ".")))
-               for j in proj.jobs.values())
+    return any(j.state in live and j.spec.queue == path for j in proj.jobs.values())

@@ -19,7 +19,8 @@ from typing import Any
 import nats
 from nats.js import api
 
-from services.health import rules
+from services.health import decisions, rules
+from services.health.decisions import Decision
 from services.health.api import router
 from services.health.heartbeats import Heartbeats
 from services.health.projection import SOURCE, HealthProjection
@@ -35,7 +36,6 @@ from shared.settings import Settings
 log = logging.getLogger("gpuorch.health")
 
 HEARTBEAT_TTL_S = 60  # as the agents create the bucket
-TIME_LIMIT_REASON = "time limit exceeded"
 RELEVANT = ("node.", "gpu.", "job.task_", "job.placed", "job.preempt", "job.requeued")
 
 
@@ -140,27 +140,10 @@ class Health:
 
     async def mark(self, fault: Fault) -> None:
         """gpu.unhealthy, then the node cordoned and, by policy, drained."""
-        node = self.proj.nodes.get(fault.node_id)
-        if node is None or fault.gpu_uuid in node.unhealthy:
-            return
-        base = f"{fault.node_id}-{fault.gpu_uuid}-{fault.key}"
-        why = f"gpu {fault.gpu_uuid}: {fault.kind}{'' if fault.xid is None else f' {fault.xid}'} ({fault.detail})"
-        decisions: list[tuple[ev.Event, str]] = [
-            (ev.GpuUnhealthy(node_id=fault.node_id, gpu_uuid=fault.gpu_uuid, kind=fault.kind, xid=fault.xid, detail=fault.detail),
-             f"{base}-unhealthy"),
-        ]
-        if not node.cordoned:
-            decisions.append((ev.NodeCordoned(node_id=fault.node_id, reason=why), f"{base}-cordon"))
-        if fault.kind in self.policy.drain_on and not node.draining:
-            decisions.append((ev.NodeDrainRequested(node_id=fault.node_id, grace_s=self.policy.fault_grace_s, reason=why),
-                              f"{base}-drain"))
-        last = 0
-        for event, event_id in decisions:
-            last = await self.append(event, event_id) or last
-        log.info("event=gpu_unhealthy node=%s gpu=%s kind=%s xid=%s detail=%r", fault.node_id, fault.gpu_uuid, fault.kind,
-                 fault.xid, fault.detail)
-        self.wake.set()
-        await self.svc.caught_up(last, timeout=5)
+        last = await self.append_all(decisions.mark(self.proj, fault, self.policy))
+        if last:
+            self.wake.set()
+            await self.svc.caught_up(last, timeout=5)
 
     async def decide_loop(self, svc: Service) -> None:
         while not svc.stop_event.is_set():
@@ -181,98 +164,29 @@ class Health:
 
     async def decide_once(self, now: float) -> int:
         """One round: lost nodes, their jobs, time limits, drains, auto-resume. Returns the last sequence appended."""
-        return max(
-            await self.find_lost_nodes(),
-            await self.requeue_lost_jobs(),
-            await self.enforce_time_limits(now),
-            await self.drain_nodes(),
-            await self.auto_resume(now),
-        )
+        return max(await self.find_lost_nodes(),
+                   await self.append_all(decisions.round_of(self.proj, now, self.policy, self.bad_seen)))
 
     async def find_lost_nodes(self) -> int:
         watched = {n: self.proj.registrations.get(n, 0) for n, s in self.proj.nodes.items()
                    if not s.lost and (s.info.agent_url or n in self.heartbeats.seen)}
-        last = 0
+        found = []
         for node_id, silent_s in rules.lost_nodes(self.heartbeats.last_beats(watched), time.monotonic(),
                                                   self.policy.heartbeat_timeout_s):
-            if self.kv is None or not await self.heartbeats.still_silent(self.kv, node_id):
+            if self.kv is not None and await self.heartbeats.still_silent(self.kv, node_id):
+                found.append(decisions.node_lost(self.proj, node_id, silent_s, self.policy))
+        return await self.append_all(found)
+
+    async def append_all(self, made: list[Decision]) -> int:
+        """Append decisions in order (a chained one only after the one before it landed); the last sequence appended."""
+        last, prev = 0, None
+        for d in made:
+            if d.chained and prev is None:
                 continue
-            reason = f"no heartbeat for {silent_s:.1f}s (timeout {self.policy.heartbeat_timeout_s:g}s)"
-            last = max(last, await self.append(ev.NodeLost(node_id=node_id, reason=reason), f"{node_id}-lost-{watched[node_id]}") or 0)
-            log.info("event=node_lost node=%s reason=%r", node_id, reason)
-        return last
-
-    async def requeue_lost_jobs(self) -> int:
-        last, jobs = 0, self.proj.job_views()
-        for node_id, node in self.proj.nodes.items():
-            if not node.lost:
-                continue
-            for lost in rules.plan_lost_node(node_id, jobs):
-                job = self.proj.jobs[lost.job_id]
-                event: ev.Event = ev.JobRequeued(job_id=lost.job_id, reason=lost.reason) if lost.requeue else \
-                    ev.JobFailed(job_id=lost.job_id, reason=lost.reason)
-                event_id = f"{lost.job_id}-lost-{node_id}-{self.proj.registrations.get(node_id, 0)}"
-                last = max(last, await self.append(event, event_id, job.seq) or 0)
-                log.info("event=%s job=%s node=%s reason=%r", event.TYPE.split(".")[1], lost.job_id, node_id, lost.reason)
-        return last
-
-    async def enforce_time_limits(self, now: float) -> int:
-        """A job past its limit is stopped with grace and ends failed, never requeued.
-
-        job.timed_out tells its agents to stop it; job.failed follows at once, so the
-        scheduler, reacting to the task's exit, finds it already ended and cannot
-        requeue it or call it a success. Its GPUs are freed at the failure, as for a
-        cancel, while the agents enforce the grace.
-        """
-        last = 0
-        for over in rules.overdue_jobs(self.proj.job_views(frozenset({"running"})), now):
-            job = self.proj.jobs[over.job_id]
-            attempt = round((job.started_at or 0) * 1000)
-            expected: int | None = job.seq
-            if not over.timed_out:
-                expected = await self.append(ev.JobTimedOut(job_id=job.job_id, grace_s=self.policy.time_limit_grace_s),
-                                             f"{job.job_id}-timed-out-{attempt}", expected)
-                if expected is None:
-                    continue
-            failed = await self.append(ev.JobFailed(job_id=job.job_id, reason=TIME_LIMIT_REASON),
-                                       f"{job.job_id}-time-limit-{attempt}", expected)
-            last = max(last, expected, failed or 0)
-            log.info("event=timed_out job=%s limit_s=%s overrun_s=%.1f grace_s=%d", job.job_id, job.spec.time_limit_s,
-                     over.overrun_s, self.policy.time_limit_grace_s)
-        return last
-
-    async def drain_nodes(self) -> int:
-        last, jobs = 0, self.proj.job_views()
-        for node_id, node in self.proj.nodes.items():
-            if not node.draining:
-                continue
-            drain = self.proj.drains.get(node_id, {"grace_s": self.policy.fault_grace_s, "reason": "", "seq": 0})
-            plan = rules.plan_drain(node_id, jobs)
-            if plan.drained:
-                last = max(last, await self.append(ev.NodeDrained(node_id=node_id), f"{node_id}-drained-{drain['seq']}") or 0)
-                log.info("event=node_drained node=%s", node_id)
-                continue
-            if node.lost:
-                continue  # its jobs are requeued as lost, without a grace nobody could honour
-            reason = f"node {node_id} draining" + (f": {drain['reason']}" if drain["reason"] else "")
-            for job_id in plan.preempt:
-                job = self.proj.jobs[job_id]
-                event = ev.JobPreempting(job_id=job_id, reason=reason, grace_s=drain["grace_s"])
-                last = max(last, await self.append(event, f"{job_id}-drain-{node_id}-{drain['seq']}", job.seq) or 0)
-                log.info("event=preempting job=%s node=%s grace_s=%d reason=%r", job_id, node_id, drain["grace_s"], reason)
-        return last
-
-    async def auto_resume(self, now: float) -> int:
-        after = self.policy.auto_resume_after_s
-        if after is None:
-            return 0
-        last = 0
-        for node_id in list(self.proj.nodes):
-            view = self.proj.node_view(node_id, self.bad_seen.get(node_id))
-            if rules.resume_due(view, now, after):
-                event_id = f"{node_id}-auto-resume-{round((view.last_fault_at or 0) * 1000)}"
-                last = max(last, await self.append(ev.NodeResumed(node_id=node_id), event_id) or 0)
-                log.info("event=auto_resumed node=%s healthy_for_s=%.0f", node_id, now - (view.last_fault_at or now))
+            prev = await self.append(d.event, d.event_id, prev if d.chained else d.expected)
+            last = max(last, prev or 0)
+            if prev is not None:
+                log.info(decisions.describe(d))
         return last
 
     async def append(self, event: ev.Event, event_id: str, expected_last_subject_seq: int | None = None) -> int | None:

@@ -5,7 +5,8 @@ replays creation/deletion times), ``--trace philly:FILE`` (time-based, on 8-GPU 
 sized by ``--nodes`` or ``--load``), ``--trace jobs:DIR|YAML`` (our own job files), or
 ``--from-log DATA_DIR|NATS_URL`` (the submissions a gpuorch event log recorded,
 replayed under the recorded policy and, with ``--policy X``, under X: "what if we had
-used X"). Output: a metrics JSON and a PNG next to each other (``--out``), a summary
+used X"). Time-based replays run the health rules too (time limits; with ``--faults``, GPU
+faults and lost nodes: cordon, drain, requeue), and ``--pool`` adds the autoscaler. Output: a metrics JSON and a PNG next to each other (``--out``), a summary
 on the terminal, the seed and the command that reproduce the run exactly.
 """
 
@@ -18,6 +19,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,7 +27,8 @@ import typer
 
 from services.scheduler.placement import POLICIES
 from services.simulation import report
-from services.simulation.engine import SimResult, Simulation, live_policy, simulate_jobs
+from services.simulation.engine import SimResult, Simulation, live_health, live_policy, simulate_jobs
+from services.simulation.faults import Faults, parse_faults
 from services.simulation.paper import PaperRun, run_paper
 from services.simulation.recorded import RecordedLog, compare, recorded
 from services.simulation.traces import (
@@ -109,14 +112,16 @@ def paper_report(node_csv: Path, pod_csv: Path, policies: list[str], seed: int, 
 
 def time_report(nodes: tuple[NodeInfo, ...], jobs: list[TraceJob], policies: list[str], seed: int, *,
                 fifo: bool = False, backfill: bool = True, progress: bool = False,
-                trace: str = "") -> tuple[dict[str, Any], dict[str, SimResult]]:
+                trace: str = "", health: bool = True, faults: Faults = ()) -> tuple[dict[str, Any], dict[str, SimResult]]:
     out: dict[str, Any] = {"input": {"trace": trace, "nodes": len(nodes), "gpus": sum(len(n.gpus) for n in nodes),
-                                     "jobs": len(jobs), "fifo": fifo, "backfill": backfill and not fifo},
+                                     "jobs": len(jobs), "fifo": fifo, "backfill": backfill and not fifo,
+                                     "health": health, "faults": describe_faults(faults)},
                            "runs": {}}
     results = {}
     for name in policies:
         with progress_bar(progress, name) as bar:
-            r = simulate_jobs(nodes, jobs, name, seed, backfill=backfill, fifo=fifo, progress=bar)
+            r = simulate_jobs(nodes, jobs, name, seed, backfill=backfill, fifo=fifo, progress=bar,
+                              health=live_health() if health else None, faults=faults)
         label = f"{name}{' fifo' if fifo else ''}"
         results[label] = r
         out["runs"][label] = {"metrics": r.metrics(), "timeline": report.timeline(r)}
@@ -162,8 +167,31 @@ async def read_history(target: str) -> RecordedLog:
 # --- the command ------------------------------------------------------------------------
 
 
+def describe_faults(faults: Faults) -> str | dict[str, float | None] | None:
+    if isinstance(faults, list):
+        return f"{len(faults)} listed" if faults else None
+    return {"per_1000_gpu_days": faults.per_1000_gpu_days, "repair_h": faults.repair_s and faults.repair_s / 3600,
+            "seed": faults.seed}
+
+
+def with_retries(jobs: list[TraceJob], max_retries: int | None) -> list[TraceJob]:
+    """Every job retried this many times after a lost node (None: as each job says)."""
+    if max_retries is None:
+        return jobs
+    return [replace(j, spec=j.spec.model_copy(update={"max_retries": max_retries})) for j in jobs]
+
+
+def health_line(h: dict[str, Any]) -> str:
+    faults = ", ".join(f"{n} {k}" for k, n in h["faults"].items()) or "none"
+    return (f"faults: {faults}; {h['gpus_marked']} GPUs marked, {h['nodes_lost']} nodes lost, "
+            f"{h['jobs_preempted_by_drains']} jobs preempted by drains, {h['jobs_requeued']} requeued, "
+            f"{h['jobs_failed']} failed ({h['jobs_timed_out']} at their time limit); "
+            f"{h['gpu_hours_out_of_service']} GPU-h out of service")
+
+
 def _run_autoscaled(trace: str, pool: str, idle: str, policy: str, limit: int | None, days: str | None,
-                    out: Path, as_json: bool) -> None:
+                    out: Path, as_json: bool, faults: str | None = None, max_retries: int | None = None,
+                    seed: int = 0, health: bool = True) -> None:
     """A time-based trace on an empty cluster whose pool the autoscaler's planner grows and shrinks."""
     from rich.console import Console
 
@@ -183,16 +211,21 @@ def _run_autoscaled(trace: str, pool: str, idle: str, policy: str, limit: int | 
         if days:
             start, _, span = days.partition(":")
             jobs = window(jobs, float(start), float(span or 1))
-        jobs = jobs[:limit] if limit else jobs
+        jobs = with_retries(jobs[:limit] if limit else jobs, max_retries)
+        injected = parse_faults(faults, seed) if faults else []
+        if injected and not health:
+            raise TraceError("--faults takes the health rules: drop --no-health")
         runs = {}
         for t in timeouts:
-            sim = AutoscaledSimulation([], jobs, live_policy(policy), PoolSpec("pool", profile, 0, int(max_nodes), delay, t))
+            sim = AutoscaledSimulation([], jobs, live_policy(policy, seed), PoolSpec("pool", profile, 0, int(max_nodes), delay, t),
+                                       health=live_health() if health else None, faults=injected)
             m = sim.run().metrics()
             runs[f"{t:g}"] = {"nodes_bought": sim.pool.bought, "node_hours": round(sim.node_hours(), 1), **m}
     except (TraceError, ValueError) as e:
         _stderr().print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
-    doc = {"trace": trace, "pool": pool, "policy": policy, "idle_timeouts": runs}
+    doc = {"trace": trace, "pool": pool, "policy": policy, "seed": seed, "faults": describe_faults(injected),
+           "idle_timeouts": runs}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     if as_json:
         print(json.dumps(doc, indent=2))
@@ -201,6 +234,8 @@ def _run_autoscaled(trace: str, pool: str, idle: str, policy: str, limit: int | 
     for t, r in runs.items():
         console.print(f"idle timeout {t} s: {r['nodes_bought']} nodes bought, {r['node_hours']} node-hours, "
                       f"average wait {r['avg_queue_delay_s']} s, p99 {r['p99_queue_delay_s']} s")
+        if "health" in r:
+            console.print(f"  {health_line(r['health'])}", highlight=False)
 
 
 def _run_scenario(name: str, hours: float, seed: int, out: Path, as_json: bool) -> None:
@@ -260,6 +295,12 @@ def simulate(
     pool: Annotated[str | None, typer.Option(
         help="time-based traces: start empty and autoscale a pool PROFILE:MAX_NODES[:DELAY_S] (e.g. dgx-h100:64:120)")] = None,
     idle_timeout: Annotated[str, typer.Option(help="--pool: idle timeouts to compare, seconds, comma-separated")] = "300,3600",
+    faults: Annotated[str | None, typer.Option(
+        help="time-based traces: inject GPU faults and lost nodes: a YAML/JSON list, or RATE[:REPAIR_H] "
+             "(per 1,000 GPU-days; Llama 3's training saw 0.47)")] = None,
+    max_retries: Annotated[int | None, typer.Option(
+        min=0, max=100, help="time-based traces: retries of every job after a lost node (default: each job's own)")] = None,
+    health: Annotated[bool, typer.Option(help="time-based traces: run the health rules (time limits, faults)")] = True,
 ) -> None:
     """Replay a trace or recorded history through the scheduler's core in virtual time, and compare policies."""
     err = _stderr()
@@ -267,11 +308,14 @@ def simulate(
         _run_scenario(scenario, hours, 1 if seed is None else seed, out, as_json)
         return
     if pool is not None:
-        _run_autoscaled(trace or "", pool, idle_timeout, policy or "fgd+", limit, days, out, as_json)
+        _run_autoscaled(trace or "", pool, idle_timeout, policy or "fgd+", limit, days, out, as_json, faults, max_retries,
+                        0 if seed is None else seed, health)
         return
     try:
         if (trace is None) == (from_log is None):
             raise TraceError("give exactly one of --trace, --from-log or --scenario")
+        if from_log is not None and (faults or max_retries is not None):
+            raise TraceError("--faults and --max-retries are for --trace: a recorded log replays its own node events")
         policies = parse_policies(policy, compare_with) if from_log else parse_policies(policy or "fgd+", compare_with)
         t0 = time.perf_counter()
         if from_log is not None:
@@ -281,12 +325,14 @@ def simulate(
             png = report.plot_timelines(results, out.with_suffix(".png"), f"what if: {from_log}")
         else:
             kind, path = parse_trace(trace or "")
-            doc, png, used_seed = _run_trace(kind, path, policies, seed, load, nodes, mode, fifo, backfill, limit, days, progress, out)
+            doc, png, used_seed = _run_trace(kind, path, policies, seed, load, nodes, mode, fifo, backfill, limit, days, progress,
+                                             out, health, faults, max_retries)
     except (TraceError, ValueError) as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
     doc["seed"] = used_seed
-    doc["command"] = _command(trace, from_log, policy, compare_with, used_seed, load, nodes, mode, fifo, backfill, limit, days, out)
+    doc["command"] = _command(trace, from_log, policy, compare_with, used_seed, load, nodes, mode, fifo, backfill, limit, days,
+                              out, faults, max_retries, health)
     doc["wall_s"] = round(time.perf_counter() - t0, 3)
     doc["plot"] = str(png)
     out.with_suffix(".json").parent.mkdir(parents=True, exist_ok=True)
@@ -299,8 +345,11 @@ def simulate(
 
 def _run_trace(kind: str, path: Path, policies: list[str], seed: int | None, load: float | None, nodes: str | None,
                mode: str | None, fifo: bool, backfill: bool, limit: int | None, days: str | None, progress: bool,
-               out: Path) -> tuple[dict[str, Any], Path, int]:
+               out: Path, health: bool = True, faults: str | None = None,
+               max_retries: int | None = None) -> tuple[dict[str, Any], Path, int]:
     if kind == "openb" and (mode or "paper") == "paper":
+        if faults or max_retries is not None:
+            raise TraceError("--faults and --max-retries are for time-based replays (the paper's method has no time)")
         node_csv, pod_csv = openb_paths(path)
         node_csv = Path(nodes) if nodes else node_csv
         used = PAPER_SEED if seed is None else seed
@@ -322,24 +371,29 @@ def _run_trace(kind: str, path: Path, policies: list[str], seed: int | None, loa
     if days:
         start, _, span = days.partition(":")
         jobs = window(jobs, float(start), float(span or 1))
-    jobs = jobs[:limit] if limit else jobs
+    jobs = with_retries(jobs[:limit] if limit else jobs, max_retries)
     if kind == "philly":
         cluster = uniform_cluster(int(nodes) if nodes else philly_nodes_for_load(jobs, load or 1.0))
+    injected = parse_faults(faults, used) if faults else []
+    if injected and not health:
+        raise TraceError("--faults takes the health rules: drop --no-health")
     doc, results = time_report(cluster, jobs, policies, used, fifo=fifo, backfill=backfill, progress=progress,
-                               trace=f"{kind}:{path}")
+                               trace=f"{kind}:{path}", health=health, faults=injected)
     return doc, report.plot_timelines(results, out.with_suffix(".png"), f"{kind}: {path.name}, seed {used}"), used
 
 
-def _command(trace, from_log, policy, compare_with, seed, load, nodes, mode, fifo, backfill, limit, days, out) -> str:
+def _command(trace, from_log, policy, compare_with, seed, load, nodes, mode, fifo, backfill, limit, days, out,
+             faults=None, max_retries=None, health=True) -> str:
     """The command line that reproduces this run exactly (every default that matters made explicit)."""
     args = ["gpuorch", "simulate"]
     for flag, value in (("--trace", trace), ("--from-log", from_log), ("--policy", policy), ("--compare", compare_with),
                         ("--seed", seed), ("--load", load), ("--nodes", nodes), ("--mode", mode), ("--limit", limit),
-                        ("--days", days), ("--out", out)):
+                        ("--days", days), ("--faults", faults), ("--max-retries", max_retries), ("--out", out)):
         if value is not None:
             args += [flag, str(value)]
     args += ["--fifo"] if fifo else []
     args += [] if backfill else ["--no-backfill"]
+    args += [] if health else ["--no-health"]
     return " ".join(shlex.quote(a) for a in args)
 
 
@@ -375,5 +429,8 @@ def _summary(doc: dict[str, Any], out: Path) -> None:
             same = f"{vs['same_placement']}/{vs['recorded_placements']}" if vs else "-"
             table.add_row(name, *("-" if m[k] is None else f"{m[k]:,.1f}" for k, _ in cols), same)
     console.print(table)
+    for name, r in runs.items():
+        if "metrics" in r and "health" in r["metrics"]:
+            console.print(f"{name} health: {health_line(r['metrics']['health'])}", highlight=False, soft_wrap=True)
     console.print(f"wrote {out.with_suffix('.json')} and {doc['plot']}", highlight=False)
     console.print(f"reproduce with: {doc['command']}", highlight=False, soft_wrap=True)

@@ -9,6 +9,7 @@ expected sequence is that one's.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.health import rules
@@ -51,10 +52,9 @@ def node_lost(proj: HealthProjection, node_id: str, silent_s: float, policy: Hea
 
 def requeue_lost_jobs(proj: HealthProjection) -> list[Decision]:
     """Jobs holding resources on a lost node: requeued while retries last, else failed."""
-    out, jobs = [], proj.job_views()
-    for node_id, node in proj.nodes.items():
-        if not node.lost:
-            continue
+    lost_nodes = [n for n, node in proj.nodes.items() if node.lost]
+    out, jobs = [], proj.job_views() if lost_nodes else []
+    for node_id in lost_nodes:
         for lost in rules.plan_lost_node(node_id, jobs):
             event: ev.Event = ev.JobRequeued(job_id=lost.job_id, reason=lost.reason) if lost.requeue else \
                 ev.JobFailed(job_id=lost.job_id, reason=lost.reason)
@@ -63,8 +63,9 @@ def requeue_lost_jobs(proj: HealthProjection) -> list[Decision]:
     return out
 
 
-def enforce_time_limits(proj: HealthProjection, now: float, policy: HealthPolicy) -> list[Decision]:
-    """A job past its limit is stopped with grace and ends failed, never requeued.
+def enforce_time_limits(proj: HealthProjection, now: float, policy: HealthPolicy,
+                        only: Iterable[str] | None = None) -> list[Decision]:
+    """A job past its limit (of all running jobs, or ``only`` these) is stopped with grace and ends failed, never requeued.
 
     job.timed_out tells its agents to stop it; job.failed follows at once, so the
     scheduler, reacting to the task's exit, finds it already ended and cannot
@@ -72,7 +73,7 @@ def enforce_time_limits(proj: HealthProjection, now: float, policy: HealthPolicy
     cancel, while the agents enforce the grace.
     """
     out = []
-    for over in rules.overdue_jobs(proj.job_views(frozenset({"running"})), now):
+    for over in rules.overdue_jobs(proj.job_views(frozenset({"running"}), only), now):
         job = proj.jobs[over.job_id]
         attempt = round((job.started_at or 0) * 1000)
         failed = ev.JobFailed(job_id=job.job_id, reason=TIME_LIMIT_REASON)
@@ -87,10 +88,9 @@ def enforce_time_limits(proj: HealthProjection, now: float, policy: HealthPolicy
 
 def drain_nodes(proj: HealthProjection, policy: HealthPolicy) -> list[Decision]:
     """Draining nodes: node.drained once nothing holds resources there, else their jobs preempted with the drain's grace."""
-    out, jobs = [], proj.job_views()
-    for node_id, node in proj.nodes.items():
-        if not node.draining:
-            continue
+    draining = [(n, node) for n, node in proj.nodes.items() if node.draining]
+    out, jobs = [], proj.job_views() if draining else []
+    for node_id, node in draining:
         drain = proj.drains.get(node_id, {"grace_s": policy.fault_grace_s, "reason": "", "seq": 0})
         plan = rules.plan_drain(node_id, jobs)
         if plan.drained:
@@ -118,11 +118,13 @@ def auto_resume(proj: HealthProjection, now: float, policy: HealthPolicy, bad_se
     return out
 
 
-def round_of(proj: HealthProjection, now: float, policy: HealthPolicy, bad_seen: dict[str, float]) -> list[Decision]:
-    """One round after the lost nodes are found: their jobs, time limits, drains, auto-resume."""
+def round_of(proj: HealthProjection, now: float, policy: HealthPolicy, bad_seen: dict[str, float],
+             limits: Iterable[str] | None = None) -> list[Decision]:
+    """One round after the lost nodes are found: their jobs, time limits (all running jobs, or ``limits``), drains,
+    auto-resume."""
     return [
         *requeue_lost_jobs(proj),
-        *enforce_time_limits(proj, now, policy),
+        *enforce_time_limits(proj, now, policy, limits),
         *drain_nodes(proj, policy),
         *auto_resume(proj, now, policy, bad_seen),
     ]

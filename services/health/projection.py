@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from services.health.rules import ACTIVE, JobView, NodeView
@@ -60,13 +61,15 @@ class HealthProjection(ClusterProjection):
 
     # --- views for the rules -----------------------------------------------------------
 
-    def job_views(self, states: frozenset[str] = ACTIVE) -> list[JobView]:
+    def job_views(self, states: frozenset[str] = ACTIVE, ids: Iterable[str] | None = None) -> list[JobView]:
+        """Jobs in these states (only these ids, if given) as the rules see them."""
+        jobs = self.jobs.values() if ids is None else [self.jobs[i] for i in ids if i in self.jobs]
         return [
             JobView(
                 job_id=j.job_id, state=j.state, nodes=frozenset(p.node_id for p in j.placements), started_at=j.started_at,
                 time_limit_s=j.spec.time_limit_s, timed_out=j.timed_out, retries=j.retries, max_retries=j.spec.max_retries,
             )
-            for j in self.jobs.values()
+            for j in jobs
             if j.state in states
         ]
 

@@ -52,7 +52,7 @@ class AutoscaledSimulation(Simulation):
             self._scale_down(t)
             if self.pool.in_flight < self.pool.spec.min_nodes - len(self.pool.nodes):
                 self._buy(t, self.pool.spec.min_nodes - len(self.pool.nodes) - self.pool.in_flight)
-            if self.heap:  # keep ticking while anything is left to happen
+            if self._more():  # keep ticking while anything is left to happen
                 self._push(t + self.tick_s, TICK, "")
             return False  # a tick changes no job: nodes arriving or leaving wake the cycle themselves
         react = super()._handle(t, kind, job_id, arg)
@@ -100,6 +100,11 @@ class AutoscaledSimulation(Simulation):
             self.pool.node_seconds += now - self.pool.nodes.pop(node_id)
             self.idle_since.pop(node_id, None)
             self._fold(ev.PoolNodeTerminated(pool=self.pool.spec.name, node_id=node_id), now)
+            self.dead.pop(node_id, None)
+            self._nodes_changed()
+
+    def _max_gpus(self) -> int:
+        return self.static_gpus + self.pool.spec.max_nodes * len(build(self.pool.spec.profile, "largest").gpus)
 
     def node_hours(self) -> float:
         live = sum(self.last_t - t for t in self.pool.nodes.values())

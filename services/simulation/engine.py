@@ -7,29 +7,47 @@ have appended (``job.submitted``, ``job.queued``, ``job.placed``, ``job.succeede
 fold, as in the scheduler service (fair-share entitlements, reclaim, then
 ``run_cycle``). A cycle runs at every instant something the scheduler reacts to
 happened (arrivals, ends, node events); nothing else moves the clock.
+
+With a ``HealthPolicy`` the health service's own decisions join in
+(``services/health/decisions.py`` on the same fold): injected GPU faults are
+judged by the XID table, cordon and drain their node, and preempt its jobs with
+grace; a lost node (its tasks die with it) is declared lost after the heartbeat
+timeout and its jobs requeued while their retries last; a job past its time
+limit is stopped. Tasks start at placement (``job.task_started``), so limits
+count from there.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import random
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from services.health import decisions, rules
+from services.health.decisions import Decision
+from services.health.projection import SOURCE as HEALTH, HealthProjection
+from services.health.rules import HealthPolicy
 from services.scheduler.core import Plan, Policy, job_order
-from services.scheduler.projection import SchedulerProjection
 from services.scheduler.service import decide
 from services.scheduler.snapshot import PendingJob
+from services.simulation.faults import FaultEntry, FaultRate, Faults
 from services.simulation.traces import TraceJob
 from shared import events as ev
-from shared.cluster import ACTIVE, TERMINAL
+from shared.cluster import ACTIVE, TERMINAL, JobRecord
 from shared.events import Envelope, Event
 from shared.model import MILLI, NodeInfo
 from shared.settings import Settings
 
 ARRIVE, END, REQUEUE, CANCEL, INFRA = "arrive", "end", "requeue", "cancel", "infra"
+FAULT, DRAW, SILENT, REPAIR, LIMIT = "fault", "draw", "silent", "repair", "limit"  # health: a fault (listed or drawn),
+HEALTH_KINDS = frozenset({FAULT, DRAW, SILENT, REPAIR, LIMIT})  # a heartbeat check, a repair, a time limit
+PERIODIC = frozenset({DRAW, "tick"})  # events that schedule their successor: they alone keep no replay going
+SIM = "/gpuorch/simulate"
 Signature = tuple[tuple[str, tuple[str, ...]], ...]  # per task: (node, GPU uuids)
 
 
@@ -47,6 +65,9 @@ class Outcome:
     ended: float | None = None
     placement: Signature = ()
     preemptions: int = 0
+    requeues: int = 0  # sent back to the queue by health (node lost) and placed again
+    state: str = "submitted"  # where it was left: succeeded, failed, cancelled, or still waiting or holding
+    interrupted_gpu_s: float = 0.0  # GPU-seconds of runs cut short (preempted, requeued, failed): work lost without checkpoints
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +76,7 @@ class Sample:
     allocated: int  # GPU milli held
     queued: int
     running: int
+    down: int = 0  # GPU milli out of service: on cordoned, draining or lost nodes, or marked unhealthy
 
 
 @dataclass
@@ -69,6 +91,7 @@ class SimResult:
     cycles: int = 0
     seconds: float = 0.0
     invalid: list[str] = field(default_factory=list)
+    health: dict[str, int | float | dict[str, int]] | None = None  # what the health rules did (None: they did not run)
 
     def metrics(self, jobs: Collection[str] | None = None, window: tuple[float, float] | None = None
                 ) -> dict[str, float | int | None]:
@@ -102,16 +125,24 @@ class SimResult:
             "wall_s": round(self.seconds, 3),
             "events_per_s": round(self.events / self.seconds) if self.seconds > 0 else None,
             "invalid_transitions": len(self.invalid),
+            "failed": sum(1 for o in outs if o.state == "failed"),
+            "gpu_hours_interrupted": round(sum(o.interrupted_gpu_s for o in outs) / 3600, 2),
+            **({"health": {**self.health, "gpu_hours_out_of_service": round(self.down_gpu_seconds(a, b) / 3600, 2)}}
+               if self.health is not None else {}),
         }
 
-    def gpu_seconds(self, a: float = -math.inf, b: float = math.inf) -> float:
+    def gpu_seconds(self, a: float = -math.inf, b: float = math.inf, field: str = "allocated") -> float:
         """Allocated GPU milli integrated over [a, b] (the samples are a step function)."""
         total = 0.0
         for s, nxt in zip(self.samples, self.samples[1:]):
             lo, hi = max(s.t, a), min(nxt.t, b)
             if hi > lo:
-                total += s.allocated * (hi - lo)
+                total += getattr(s, field) * (hi - lo)
         return total
+
+    def down_gpu_seconds(self, a: float = -math.inf, b: float = math.inf) -> float:
+        """GPU-seconds out of service over [a, b]."""
+        return self.gpu_seconds(a, b, "down") / MILLI
 
 
 def _mean(xs: Sequence[float]) -> float | None:
@@ -138,7 +169,8 @@ class Simulation:
     ``fifo``: strict first-come-first-served: a job never starts while an earlier
     one waits (the cycle runs without backfill; placements after the first job left
     waiting are dropped). ``infra``: recorded node events (cordon, drain, loss) to
-    replay at their times; nodes register at ``start``.
+    replay at their times; nodes register at ``start``. ``health``: the health
+    rules' policy, to run them; ``faults``: what to inject (``faults.py``).
     """
 
     def __init__(
@@ -150,6 +182,8 @@ class Simulation:
         infra: Sequence[tuple[float, Event]] = (),
         start: float | None = None,
         half_life_s: float | None = None,
+        health: HealthPolicy | None = None,
+        faults: Faults = (),
     ) -> None:
         self.policy = policy
         self.half_life_s = Settings().half_life_s if half_life_s is None else half_life_s
@@ -157,14 +191,18 @@ class Simulation:
         self.jobs = {j.job_id: j for j in jobs}
         if len(self.jobs) != len(jobs):
             raise ValueError("job ids must be unique")
-        self.proj = SchedulerProjection()
+        if faults and health is None:
+            raise ValueError("injecting faults takes the health rules: give a HealthPolicy")
+        self.proj = HealthProjection()  # the scheduler's fold, plus what health remembers of drains and faults
         self.queued: set[str] = set()
         self.holding: set[str] = set()
         registered = {n.node_id: n for n in nodes}
         registered.update({e.node_id: e.node for _, e in infra if isinstance(e, ev.NodeRegistered)})
         self.capacity = sum(MILLI for n in registered.values() for g in n.gpus if not g.mig_enabled)
+        self.static_gpus = sum(len(n.gpus) for n in registered.values())
         self.heap: list[tuple[float, int, str, str, int]] = []
         self.order = 0
+        self.periodic = 0  # events in the heap that only schedule more of themselves
         self.seq = 0
         self.generation: dict[str, int] = {}
         self.outcomes = {j.job_id: Outcome(j.job_id, j.submit, j.spec.gpu_milli * j.spec.tasks) for j in jobs}
@@ -180,65 +218,96 @@ class Simulation:
             self._push(j.submit, ARRIVE, j.job_id)
             if j.cancel_at is not None:
                 self._push(j.cancel_at, CANCEL, j.job_id)
+        # health
+        self.health = health
+        self.tick = min(1.0, health.heartbeat_timeout_s / 4) if health else 1.0  # as the health service's round
+        self.decided: Counter[str] = Counter()  # health decisions by event type
+        self.injected: Counter[str] = Counter()  # faults by kind
+        self.dead: dict[str, float] = {}  # node -> when it stopped beating: its tasks died with it
+        self.last_fault: dict[str, float] = {}  # node -> its last fault (a repair answers the last one)
+        self.down = 0  # GPU milli out of service
+        self.draining = False
+        self.rate = faults if isinstance(faults, FaultRate) else None
+        self.rng = random.Random(self.rate.seed if self.rate else 0)
+        self.faults: list[FaultEntry] = [] if self.rate else list(faults)
+        for i, f in enumerate(self.faults):
+            self._push(t0 + f.t, FAULT, f.node, i)
+        # drawn faults stop when the trace would have ended without them: jobs restarting from scratch can
+        # take longer than the mean time between faults, and the replay must end
+        self.fault_horizon = max((j.submit + (j.duration or 0.0) for j in jobs), default=t0)
+        if self.rate and self.rate.per_1000_gpu_days > 0:
+            self._push(t0, DRAW, "", 0)
 
     def _push(self, t: float, kind: str, job_id: str, arg: int = 0) -> None:
         self.order += 1
+        self.periodic += kind in PERIODIC
         heapq.heappush(self.heap, (t, self.order, kind, job_id, arg))
 
-    def _fold(self, event: Event, t: float) -> None:
+    def _more(self) -> bool:
+        """Something is left to happen besides the periodic events."""
+        return len(self.heap) > self.periodic
+
+    def _fold(self, event: Event, t: float, source: str = SIM) -> int:
         self.seq += 1
-        self.proj.apply(Envelope(event, id=f"sim-{self.seq}", source="/gpuorch/simulate",
-                                 time=datetime.fromtimestamp(t, UTC), seq=self.seq))
+        self.proj.apply(Envelope(event, id=f"sim-{self.seq}", source=source, time=datetime.fromtimestamp(t, UTC),
+                                 seq=self.seq, epoch=1 if source == HEALTH else None))
+        return self.seq
+
+    def _fold_job(self, job_id: str, event: Event, t: float, source: str = SIM) -> int:
+        """Fold one event of a job, keeping the allocation, the waiting and holding sets and its outcome in step."""
+        job = self.proj.jobs.get(job_id)
+        held, placed_at = _held(job), job.placed_at if job else None
+        seq = self._fold(event, t, source)
+        job = self.proj.jobs[job_id]
+        holds = _held(job)
+        self.allocated += holds - held
+        self.queued.discard(job_id)
+        self.holding.discard(job_id)
+        if job.state == "queued":
+            self.queued.add(job_id)
+        elif job.state in ACTIVE:
+            self.holding.add(job_id)
+        out = self.outcomes[job_id]
+        out.state = job.state
+        if held and not holds:
+            if job.state in TERMINAL:
+                out.ended = t
+            if job.state not in ("succeeded", "cancelled") and placed_at is not None:
+                out.interrupted_gpu_s += held / MILLI * (t - placed_at)
+        return seq
 
     # --- what happens at one instant ----------------------------------------------------
 
     def _handle(self, t: float, kind: str, job_id: str, arg: int) -> bool:
         """Fold one due event; True if the scheduler would react to it."""
         if kind == INFRA:
-            event = self.infra[arg][1]
-            self._fold(event, t)
+            self._fold(self.infra[arg][1], t)
+            self._nodes_changed()
             return True
+        if kind in HEALTH_KINDS:
+            return self._health_event(t, kind, job_id, arg)
         job = self.proj.jobs.get(job_id)
         if kind == ARRIVE:
             self._fold(ev.JobSubmitted(job_id=job_id, spec=self.jobs[job_id].spec, submitted_at=t), t)
-            self._fold(ev.JobQueued(job_id=job_id), t)
-            self._track(job_id)
+            self._fold_job(job_id, ev.JobQueued(job_id=job_id), t)
             return True
         if job is None:
             return False
-        if kind == END and job.state in ("placed", "running") and arg == self.generation.get(job_id):
-            self._release(job_id, ev.JobSucceeded(job_id=job_id), t)
+        current = arg == self.generation.get(job_id) and not self._on_dead_node(job)  # a dead node reports nothing
+        if kind == END and job.state in ("placed", "running") and current:
+            self._fold_job(job_id, ev.JobSucceeded(job_id=job_id), t)
             return True
         if kind == CANCEL and job.state in ("queued", "placed", "running"):
-            self._release(job_id, ev.JobCancelled(job_id=job_id, reason="cancelled (recorded)"), t)
+            self._fold_job(job_id, ev.JobCancelled(job_id=job_id, reason="cancelled (recorded)"), t)
             return True
-        if kind == REQUEUE and job.state == "preempting" and arg == self.generation.get(job_id):
-            self._release(job_id, ev.JobPreempted(job_id=job_id), t, ended=False)
-            self._fold(ev.JobQueued(job_id=job_id), t)
-            self._track(job_id)
+        if kind == REQUEUE and job.state == "preempting" and current:
+            self._fold_job(job_id, ev.JobPreempted(job_id=job_id), t)
+            self._fold_job(job_id, ev.JobQueued(job_id=job_id), t)
             return True
         return False
 
-    def _track(self, job_id: str) -> None:
-        """Keep the counts of waiting and holding jobs in step with the job's state after a fold."""
-        self.queued.discard(job_id)
-        self.holding.discard(job_id)
-        job = self.proj.jobs.get(job_id)
-        if job is None or job.state in TERMINAL:
-            return
-        if job.state == "queued":
-            self.queued.add(job_id)
-        elif job.state in ACTIVE:
-            self.holding.add(job_id)
-
-    def _release(self, job_id: str, event: Event, t: float, ended: bool = True) -> None:
-        job = self.proj.jobs[job_id]
-        held = list(job.placements) if job.state in ("placed", "running", "preempting") else []
-        self._fold(event, t)
-        self.allocated -= sum(g.milli for p in held for g in p.gpus)
-        self._track(job_id)
-        if ended and held:
-            self.outcomes[job_id].ended = t
+    def _on_dead_node(self, job: JobRecord) -> bool:
+        return bool(self.dead) and any(p.node_id in self.dead for p in job.placements)
 
     def _fifo_order(self) -> list[PendingJob]:
         jobs = [self.proj.jobs[j] for j in self.queued]
@@ -254,27 +323,162 @@ class Simulation:
                 keep.append(j.job_id)
             placements = {k: placements[k] for k in keep}
         for job_id, p in placements.items():
-            self._fold(ev.JobPlaced(job_id=job_id, placements=p.tasks, spread=p.spread, policy=p.policy), now)
+            self._fold_job(job_id, ev.JobPlaced(job_id=job_id, placements=p.tasks, spread=p.spread, policy=p.policy), now)
             job = self.proj.jobs[job_id]
             if job.state != "placed":
                 continue  # the fold refused it; recorded in proj.invalid_transitions
-            self._track(job_id)
-            self.allocated += sum(g.milli for t in p.tasks for g in t.gpus)
             out = self.outcomes[job_id]
             if out.started is None:
                 out.started, out.placement = now, signature(p.tasks)
             gen = self.generation[job_id] = self.generation.get(job_id, 0) + 1
+            if self._on_dead_node(job):
+                continue  # its tasks never start: health finds the node lost and requeues it
             duration = self.jobs[job_id].duration
             if duration is not None:
                 self._push(now + duration, END, job_id, gen)
+            if self.health is not None:
+                for task in job.placements:
+                    self._fold_job(job_id, ev.JobTaskStarted(job_id=job_id, task=task.task, node_id=task.node_id), now)
+                limit = job.spec.time_limit_s
+                if limit and (duration is None or duration > limit):
+                    self._push(now + limit + self.tick, LIMIT, job_id, gen)
         for pre in plan.preemptions:
             job = self.proj.jobs.get(pre.job_id)
             if job is None or job.state not in ("placed", "running"):
                 continue
-            self._fold(ev.JobPreempting(job_id=pre.job_id, reason=pre.reason, grace_s=pre.grace_s), now)
-            self._track(pre.job_id)
+            self._fold_job(pre.job_id, ev.JobPreempting(job_id=pre.job_id, reason=pre.reason, grace_s=pre.grace_s), now)
             self.outcomes[pre.job_id].preemptions += 1
             self._push(now + pre.grace_s, REQUEUE, pre.job_id, self.generation.get(pre.job_id, 0))
+
+    # --- health ---------------------------------------------------------------------------
+
+    def _health_event(self, t: float, kind: str, key: str, arg: int) -> bool:
+        assert self.health is not None
+        if kind == DRAW:
+            return self._draw(t, first=not arg)
+        if kind == FAULT:
+            f = self.faults[arg]
+            node = self.proj.nodes.get(f.node)
+            if node is None or f.gpu >= len(node.info.gpus):
+                self.injected["not present"] += 1
+                return False
+            return self._fault(t, f.node, node.info.gpus[f.gpu].uuid, f.xid, f.repair_s)
+        if kind == SILENT:  # the heartbeat rule, on a node silent since it died
+            node, since = self.proj.nodes.get(key), self.dead.get(key)
+            if node is None or node.lost or since is None:
+                return False
+            lost = [decisions.node_lost(self.proj, n, silent, self.health)
+                    for n, silent in rules.lost_nodes({key: since}, t, self.health.heartbeat_timeout_s)]
+            return self._decide(lost, t) | self._round(t)
+        if kind == REPAIR:
+            return self._repair(t, key, arg)
+        job = self.proj.jobs.get(key)  # LIMIT
+        if job is None or job.state != "running" or arg != self.generation.get(key):
+            return False
+        return self._round(t, limits=(key,))
+
+    def _draw(self, t: float, first: bool) -> bool:
+        """A candidate of the fault process at the largest possible rate, kept in proportion to the GPUs present
+        (thinning), then the next candidate."""
+        assert self.rate is not None
+        changed = False
+        gmax = self._max_gpus()
+        if not first:
+            present = [(n, g.uuid) for n, s in self.proj.nodes.items() if not s.lost and n not in self.dead for g in s.info.gpus]
+            if present and self.rng.random() * gmax < len(present):
+                node_id, uuid = self.rng.choice(present)
+                changed = self._fault(t, node_id, uuid, FaultRate.kind(self.rng.random()), self.rate.repair_s)
+        if self._more() and gmax:
+            nxt = t + self.rng.expovariate(self.rate.per_gpu_second() * gmax)
+            if nxt <= self.fault_horizon:
+                self._push(nxt, DRAW, "", 1)
+        return changed
+
+    def _max_gpus(self) -> int:
+        """The most GPUs the cluster can have: the rate of the fault process's candidates."""
+        return self.static_gpus
+
+    def _fault(self, t: float, node_id: str, uuid: str, xid: int | None, repair_s: float | None) -> bool:
+        assert self.health is not None
+        self.injected[f"xid {xid}" if xid is not None else "node lost"] += 1
+        self.last_fault[node_id] = t
+        if xid is None:
+            if node_id in self.dead:
+                return False
+            self.dead[node_id] = t
+            self._nodes_changed()
+            self._push(t + self.health.heartbeat_timeout_s + self.tick, SILENT, node_id)
+            if repair_s is not None:  # back no sooner than it is found lost: its jobs are requeued first
+                self._push(t + max(repair_s, self.health.heartbeat_timeout_s + 2 * self.tick), REPAIR, node_id, round(t * 1000))
+            return False  # nobody knows yet
+        if repair_s is not None:
+            self._push(t + repair_s, REPAIR, node_id, round(t * 1000))
+        fault = rules.xid_fault(node_id, uuid, xid, t)
+        if fault is None:
+            return False
+        return self._decide(decisions.mark(self.proj, fault, self.health), t) | self._round(t)
+
+    def _repair(self, t: float, node_id: str, fault_ms: int) -> bool:
+        """The node is back (its agent registers again) and an operator resumes it, unless it faulted again since."""
+        node = self.proj.nodes.get(node_id)
+        if node is None or round(self.last_fault.get(node_id, -1) * 1000) != fault_ms:
+            return False
+        if self.dead.pop(node_id, None) is not None:
+            self._fold(ev.NodeRegistered(node_id=node_id, node=node.info), t)
+        if node.cordoned or node.unhealthy:
+            self._fold(ev.NodeResumed(node_id=node_id), t)
+        self.injected["repaired"] += 1
+        self._nodes_changed()
+        return True
+
+    def _round(self, t: float, limits: Collection[str] = ()) -> bool:
+        assert self.health is not None
+        return self._decide(decisions.round_of(self.proj, t, self.health, {}, limits), t)
+
+    def _decide(self, made: Sequence[Decision], t: float) -> bool:
+        """Fold health's decisions as the log would take them: one decided on a job that moved since is refused."""
+        prev: int | None = None
+        changed = False
+        for d in made:
+            if d.chained and prev is None:
+                continue
+            job_id: str | None = getattr(d.event, "job_id", None)
+            expected = prev if d.chained else d.expected
+            if job_id is not None and expected is not None and self.proj.jobs[job_id].seq != expected:
+                prev = None
+                continue
+            prev = self._fold_job(job_id, d.event, t, HEALTH) if job_id is not None else self._fold(d.event, t, HEALTH)
+            self.decided[d.event.TYPE] += 1
+            changed = True
+            if isinstance(d.event, ev.JobPreempting):
+                self.outcomes[d.event.job_id].preemptions += 1
+                self._push(t + d.event.grace_s, REQUEUE, d.event.job_id, self.generation.get(d.event.job_id, 0))
+            elif isinstance(d.event, ev.JobRequeued):
+                self.outcomes[d.event.job_id].requeues += 1
+        if changed:
+            self._nodes_changed()
+        return changed
+
+    def _nodes_changed(self) -> None:
+        """Recount the GPUs out of service and whether a drain is open (health only: O(nodes))."""
+        if self.health is None:
+            return
+        down, draining = 0, False
+        for node_id, n in self.proj.nodes.items():
+            gpus = [g for g in n.info.gpus if not g.mig_enabled]
+            out = not n.schedulable or node_id in self.dead
+            down += MILLI * sum(1 for g in gpus if out or g.uuid in n.unhealthy)
+            draining = draining or n.draining
+        self.down, self.draining = down, draining
+
+    def health_report(self) -> dict[str, int | float | dict[str, int]] | None:
+        if self.health is None:
+            return None
+        d = self.decided
+        return {"faults": dict(sorted(self.injected.items())), "gpus_marked": d["gpu.unhealthy"],
+                "nodes_cordoned": d["node.cordoned"], "nodes_drained": d["node.drained"], "nodes_lost": d["node.lost"],
+                "jobs_preempted_by_drains": d["job.preempting"], "jobs_requeued": d["job.requeued"],
+                "jobs_failed": d["job.failed"], "jobs_timed_out": d["job.timed_out"]}
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -289,24 +493,40 @@ class Simulation:
             react = False
             while self.heap and self.heap[0][0] == now:
                 _, _, kind, job_id, arg = heapq.heappop(self.heap)
+                self.periodic -= kind in PERIODIC
                 react |= self._handle(now, kind, job_id, arg)
                 done += 1
+            if self.draining:  # jobs left the node: the drain may be complete
+                react |= self._round(now)
             if react and self.queued:
                 order = self._fifo_order() if self.fifo else []
                 self._commit(decide(self.proj, self.policy, now, self.half_life_s), now, order)
                 cycles += 1
-            samples.append(Sample(now, self.allocated, len(self.queued), len(self.holding)))
+            samples.append(Sample(now, self.allocated, len(self.queued), len(self.holding), self.down))
             if progress is not None:
                 total = max(total, done + len(self.heap))
                 progress(done, total)
         return SimResult(self.policy.name, self.policy.seed, self.fifo, self.capacity, self.outcomes, samples,
                          events=self.seq, cycles=cycles, seconds=time.perf_counter() - t_wall,
-                         invalid=list(self.proj.invalid_transitions))
+                         invalid=list(self.proj.invalid_transitions), health=self.health_report())
+
+
+def _held(job: JobRecord | None) -> int:
+    """GPU milli a job holds."""
+    return sum(g.milli for p in job.placements for g in p.gpus) if job is not None and job.state in ACTIVE else 0
+
+
+def live_health(settings: Settings | None = None) -> HealthPolicy:
+    """The HealthPolicy the health service builds from its settings."""
+    return HealthPolicy(heartbeat_timeout_s=(settings or Settings()).heartbeat_timeout_s)
 
 
 def simulate_jobs(
     nodes: Sequence[NodeInfo], jobs: Sequence[TraceJob], policy: str = "fgd", seed: int = 0, *,
     backfill: bool = True, fifo: bool = False, progress: Callable[[int, int], None] | None = None,
+    health: HealthPolicy | None = None, faults: Faults = (),
 ) -> SimResult:
-    """Replay ``jobs`` on ``nodes`` under a named policy (FIFO: strict order, no backfill)."""
-    return Simulation(nodes, jobs, live_policy(policy, seed, backfill and not fifo), fifo=fifo).run(progress)
+    """Replay ``jobs`` on ``nodes`` under a named policy (FIFO: strict order, no backfill), with the health rules
+    and injected faults if given."""
+    return Simulation(nodes, jobs, live_policy(policy, seed, backfill and not fifo), fifo=fifo, health=health,
+                      faults=faults).run(progress)

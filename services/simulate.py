@@ -181,12 +181,14 @@ def with_retries(jobs: list[TraceJob], max_retries: int | None) -> list[TraceJob
     return [replace(j, spec=j.spec.model_copy(update={"max_retries": max_retries})) for j in jobs]
 
 
-def health_line(h: dict[str, Any]) -> str:
+def health_line(m: dict[str, Any]) -> str:
+    """One run's health figures, from its metrics."""
+    h = m["health"]
     faults = ", ".join(f"{n} {k}" for k, n in h["faults"].items()) or "none"
     return (f"faults: {faults}; {h['gpus_marked']} GPUs marked, {h['nodes_lost']} nodes lost, "
             f"{h['jobs_preempted_by_drains']} jobs preempted by drains, {h['jobs_requeued']} requeued, "
             f"{h['jobs_failed']} failed ({h['jobs_timed_out']} at their time limit); "
-            f"{h['gpu_hours_out_of_service']} GPU-h out of service")
+            f"{h['gpu_hours_out_of_service']} GPU-h out of service, {m['gpu_hours_interrupted']} GPU-h of runs cut short")
 
 
 def _run_autoscaled(trace: str, pool: str, idle: str, policy: str, limit: int | None, days: str | None,
@@ -235,7 +237,7 @@ def _run_autoscaled(trace: str, pool: str, idle: str, policy: str, limit: int | 
         console.print(f"idle timeout {t} s: {r['nodes_bought']} nodes bought, {r['node_hours']} node-hours, "
                       f"average wait {r['avg_queue_delay_s']} s, p99 {r['p99_queue_delay_s']} s")
         if "health" in r:
-            console.print(f"  {health_line(r['health'])}", highlight=False)
+            console.print(f"  {health_line(r)}", highlight=False)
 
 
 def _run_scenario(name: str, hours: float, seed: int, out: Path, as_json: bool) -> None:
@@ -431,6 +433,6 @@ def _summary(doc: dict[str, Any], out: Path) -> None:
     console.print(table)
     for name, r in runs.items():
         if "metrics" in r and "health" in r["metrics"]:
-            console.print(f"{name} health: {health_line(r['metrics']['health'])}", highlight=False, soft_wrap=True)
+            console.print(f"{name} health: {health_line(r['metrics'])}", highlight=False, soft_wrap=True)
     console.print(f"wrote {out.with_suffix('.json')} and {doc['plot']}", highlight=False)
     console.print(f"reproduce with: {doc['command']}", highlight=False, soft_wrap=True)

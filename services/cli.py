@@ -178,6 +178,7 @@ def submit(
     mig: Annotated[str | None, typer.Option(help="MIG profile, e.g. 1g.10gb")] = None,
     topology: Annotated[str | None, typer.Option(help="nvlink|node|rack|zone|any")] = None,
     time_limit: Annotated[int | None, typer.Option(help="seconds")] = None,
+    max_retries: Annotated[int | None, typer.Option(help="times to requeue it after its node is lost (0)")] = None,
     env: Annotated[list[str] | None, typer.Option("-e", "--env", help="K=V (repeatable)")] = None,
     url: UrlOpt = DEFAULT_URL,
     as_json: JsonOpt = False,
@@ -189,7 +190,8 @@ def submit(
         body: dict[str, Any] = load_job_file(file) if file else {}
     except JobFileError as e:
         fail(str(e))
-    flags = {"name": name, "queue": queue, "priority": priority, "tasks": tasks, "topology": topology, "time_limit_s": time_limit}
+    flags = {"name": name, "queue": queue, "priority": priority, "tasks": tasks, "topology": topology, "time_limit_s": time_limit,
+             "max_retries": max_retries}
     body.update({k: v for k, v in flags.items() if v is not None})
     res = body.setdefault("resources", {})
     for k, v in (("gpus", gpus), ("cpu_milli", cpu), ("memory_mib", memory)):
@@ -388,10 +390,13 @@ async def open_log(nats: str | None, data_dir: Path | None) -> AsyncIterator[Eve
         lock = stack.data_dir_lock(data_dir)
         try:
             lock.__enter__()
-        except SystemExit:
-            fail(f"a stack is running on {data_dir}: use --nats {_stack_nats(data_dir)} instead")
-        server = NatsServer(data_dir / "nats").start()
-        nats = server.url
+        except SystemExit:  # a stack is running there: read through its own server
+            nats = _stack_nats(data_dir)
+            if nats is None:
+                fail(f"a stack is running on {data_dir} but its {data_dir / 'stack.json'} names no NATS URL: pass --nats URL")
+        else:
+            server = NatsServer(data_dir / "nats").start()
+            nats = server.url
     try:
         evlog = await EventLog.connect(nats, ensure=False)
     except Exception as e:  # noqa: BLE001
@@ -405,11 +410,11 @@ async def open_log(nats: str | None, data_dir: Path | None) -> AsyncIterator[Eve
             lock.__exit__(None, None, None)
 
 
-def _stack_nats(data_dir: Path) -> str:
+def _stack_nats(data_dir: Path) -> str | None:
     try:
-        return json.loads((data_dir / "stack.json").read_text())["nats_url"]
+        return str(json.loads((data_dir / "stack.json").read_text())["nats_url"])
     except (OSError, ValueError, KeyError):
-        return "URL"
+        return None
 
 
 def event_line(rec: Record) -> str:

@@ -122,8 +122,10 @@ class EventLog:
 
     @classmethod
     async def connect(cls, url: str, *, replicas: int = 1, name: str = "gpuorch", ensure: bool = True) -> "EventLog":
-        async def _disconnected() -> None:
-            log.warning("nats disconnected url=%s", url)
+        client: list[NATS] = []
+
+        async def _disconnected() -> None:  # on our own close too: only an unexpected one is worth a warning
+            log.log(logging.DEBUG if client and client[0].is_closed else logging.WARNING, "nats disconnected url=%s", url)
 
         async def _reconnected() -> None:
             log.info("nats reconnected url=%s", url)
@@ -142,6 +144,7 @@ class EventLog:
             error_cb=_error,
         )
         nc._parse_header_lines = _parse_header_lines  # this instance only: same rules, faster
+        client.append(nc)
         self = cls(nc, replicas)
         if ensure:
             await self.ensure_streams()

@@ -107,11 +107,11 @@ def agents(tmp_path: Path, nats_url: str):
     """Start simulated agents as real processes: ``agents("a", "b", profile="t4-4x")`` -> [AgentProc, ...]."""
     made: list[AgentProc] = []
 
-    def make(*node_ids: str, profile: str = "t4-4x") -> list[AgentProc]:
+    def make(*node_ids: str, profile: str = "t4-4x", relative: bool = False) -> list[AgentProc]:
         for node_id in node_ids:
             work = tmp_path / "agents" / node_id
             work.mkdir(parents=True)
-            made.append(AgentProc(nats_url, node_id, work, profile).start())
+            made.append(AgentProc(nats_url, node_id, work, profile, cwd=tmp_path if relative else None).start())
         return made[-len(node_ids):]
 
     yield make

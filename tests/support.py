@@ -69,8 +69,9 @@ async def in_process_stack(log: EventLog, **settings_kw) -> AsyncIterator[tuple[
 
 
 class AgentProc:
-    def __init__(self, nats_url: str, node_id: str, work: Path, profile: str = "t4-4x"):
-        self.nats_url, self.node_id, self.work, self.profile = nats_url, node_id, work, profile
+    def __init__(self, nats_url: str, node_id: str, work: Path, profile: str = "t4-4x", cwd: Path | None = None):
+        """``cwd``: run the agent there, with its work dir relative to it (as `gpuorch up` on a relative data dir)."""
+        self.nats_url, self.node_id, self.work, self.profile, self.cwd = nats_url, node_id, work, profile, cwd
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -81,9 +82,9 @@ class AgentProc:
     def start(self) -> "AgentProc":
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "agent", "--backend", "simulated", "--profile", self.profile,
-             "--node-id", self.node_id, "--nats", self.nats_url, "--port", str(self.port), "--work-dir", str(self.work),
-             "--rack", "r1"],
-            start_new_session=True, stdout=open(self.work.parent / f"{self.node_id}.log", "ab"), stderr=subprocess.STDOUT)
+             "--node-id", self.node_id, "--nats", self.nats_url, "--port", str(self.port),
+             "--work-dir", str(self.work.relative_to(self.cwd) if self.cwd else self.work), "--rack", "r1"],
+            cwd=self.cwd, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, start_new_session=True, stdout=open(self.work.parent / f"{self.node_id}.log", "ab"), stderr=subprocess.STDOUT)
         return self
 
     def kill(self) -> None:

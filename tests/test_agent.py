@@ -47,9 +47,9 @@ async def test_a_two_task_gang_runs_as_two_processes_with_a_torchrun_environment
             assert e["LOCAL_RANK"] == "0" and e["LOCAL_WORLD_SIZE"] == "1"
 
 
-async def test_a_task_exiting_3_fails_the_job_with_code_3(eventlog: EventLog, agents):
+async def test_a_task_exiting_3_fails_the_job_with_code_3_also_under_a_relative_work_dir(eventlog: EventLog, agents):
     async with in_process_stack(eventlog) as (client, _):
-        agents("a")
+        agents("a", relative=True)  # as `gpuorch up` on its default data dir, .gpuorch
         await nodes_up(client, 1)
         spec = job("boom").gpus(1).build().model_copy(update={"command": ("sh", "-c", "echo oops >&2; exit 3")})
         job_id = (await client.post("/v1/jobs", json=spec.model_dump(mode="json"))).json()["id"]

@@ -29,18 +29,23 @@ def alive(pid: int) -> bool:
     return True
 
 
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
 class Stack:
-    def __init__(self, data_dir: Path, split: bool = False, nodes: str = ""):
-        self.data_dir, self.split, self.port, self.nodes = data_dir, split, free_port(), nodes
+    def __init__(self, data_dir: Path, split: bool = False, nodes: str = "", cwd: Path | None = None):
+        """``cwd``: start it there on its default data dir, .gpuorch (``data_dir`` is then that)."""
+        self.data_dir, self.split, self.port, self.nodes, self.cwd = data_dir, split, free_port(), nodes, cwd
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Stack":
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--data-dir", str(self.data_dir),
-               "--nodes", self.nodes]
-        self.proc = subprocess.Popen(cmd + (["--split"] if self.split else []), start_new_session=True,
-                                     stdout=open(self.data_dir / "up.out", "ab"), stderr=subprocess.STDOUT)
+        cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--nodes", self.nodes]
+        cmd += [] if self.cwd else ["--data-dir", str(self.data_dir)]
+        self.proc = subprocess.Popen(cmd + (["--split"] if self.split else []), start_new_session=True, cwd=self.cwd,
+                                     env=ENV, stdout=open(self.data_dir / "up.out", "ab"), stderr=subprocess.STDOUT)
         wait_until(self.all_ready, 30, "every service to be ready")
         return self
 
@@ -102,6 +107,38 @@ def test_up_serves_the_api_and_a_second_up_resumes_the_same_state(tmp_path: Path
     queues = {q["path"]: q for q in httpx.get(f"{second.url}/v1/queues").json()}
     assert queues["research.nlp"]["weight"] == 2
     assert {s["service"]: s["digest"] for s in second.services()} == digests
+
+
+def gpuorch(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=cwd, env=ENV, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_the_cli_runs_jobs_on_a_stack_started_on_its_default_data_dir(tmp_path: Path, stacks: list[Stack]):
+    stack = Stack(tmp_path / ".gpuorch", nodes="t4-4x:1", cwd=tmp_path)
+    stacks.append(stack)
+    stack.start()
+    wait_until(lambda: len(httpx.get(f"{stack.url}/v1/nodes").json()) == 1, 30, "the node to register")
+    ids = {}
+    for name, script in (("ok", "echo hi"), ("bad", "exit 7")):
+        out = gpuorch(tmp_path, "submit", "--url", stack.url, "--name", name, "--max-retries", "2", "--time-limit", "60",
+                      "--json", "--", "sh", "-c", script)
+        assert out.returncode == 0, out.stderr
+        ids[name] = json.loads(out.stdout)["id"]
+
+    def finished() -> dict[str, dict] | None:
+        jobs = {j["name"]: j for j in json.loads(gpuorch(tmp_path, "jobs", "-a", "--json", "--url", stack.url).stdout)}
+        return jobs if all(jobs.get(n, {}).get("state") in ("succeeded", "failed") for n in ids) else None
+
+    wait_until(finished, 30, "both jobs to finish")
+    jobs = finished()
+    assert jobs is not None
+    assert jobs["ok"]["state"] == "succeeded", "a task's exit is read back although it runs in a relative data dir"
+    assert (jobs["bad"]["state"], jobs["bad"]["exit_code"]) == ("failed", 7)
+    assert httpx.get(f"{stack.url}/v1/jobs/{ids['ok']}").json()["spec"]["max_retries"] == 2
+    assert gpuorch(tmp_path, "logs", ids["ok"], "--url", stack.url).stdout == "hi\n"
+    history = gpuorch(tmp_path, "events", "replay")  # the running stack's own log, found from its data dir
+    assert history.returncode == 0 and f"job/{ids['ok']}" in history.stdout and "job.succeeded" in history.stdout, history.stderr
 
 
 def test_a_second_up_on_a_running_data_dir_is_refused_with_a_reason(tmp_path: Path, stacks: list[Stack]):

@@ -88,7 +88,7 @@ class Agent:
     def __init__(self, node: NodeInfo, work_dir: Path, nvml: Any = None, *, heartbeat_s: float = 1.0,
                  telemetry_s: float = 1.0, metrics: Metrics | None = None) -> None:
         self.node, self.nvml = node, nvml
-        self.work_dir = Path(work_dir)
+        self.work_dir = Path(work_dir).resolve()  # tasks run in their own directories: every path we hand them is absolute
         self.heartbeat_s, self.telemetry_s = heartbeat_s, telemetry_s
         self.tasks: dict[str, Task] = {}
         self.svc = Service(

@@ -375,6 +375,17 @@ def resume(node_id: str, url: UrlOpt = DEFAULT_URL) -> None:
     _node_action("resume", node_id, url)
 
 
+@app.command("inject-xid")
+def inject_xid(node_id: str, xid: int, gpu: Annotated[int, typer.Option(help="GPU index on the node")] = 0,
+               url: UrlOpt = DEFAULT_URL) -> None:
+    """Simulated nodes: make a GPU report an XID as its driver would (79: fallen off the bus), to watch health act."""
+    agent = api("GET", url, f"/v1/nodes/{node_id}").get("agent_url")
+    if not agent:
+        fail(f"node {node_id} has no agent endpoint to inject into")
+    res = api("POST", agent, "/v1/agent/inject-xid", json={"gpu_index": gpu, "xid": xid})
+    console.print(f"xid {xid} on {node_id} GPU {gpu} ({res['gpu_uuid']}): watch `gpuorch nodes` and `gpuorch jobs`")
+
+
 # --- events ----------------------------------------------------------------------------
 
 

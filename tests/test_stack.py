@@ -140,6 +140,14 @@ def test_the_cli_runs_jobs_on_a_stack_started_on_its_default_data_dir(tmp_path: 
     history = gpuorch(tmp_path, "events", "replay")  # the running stack's own log, found from its data dir
     assert history.returncode == 0 and f"job/{ids['ok']}" in history.stdout and "job.succeeded" in history.stdout, history.stderr
 
+    out = gpuorch(tmp_path, "inject-xid", "t4-4x-0", "79", "--gpu", "1", "--url", stack.url)
+    assert out.returncode == 0, out.stderr
+    node = f"{stack.url}/v1/nodes/t4-4x-0"
+    wait_until(lambda: httpx.get(node).json()["gpus"][1]["health"] == "unhealthy", 20, "the GPU to be marked")
+    assert httpx.get(node).json()["state"] in ("draining", "cordoned")
+    out = gpuorch(tmp_path, "inject-xid", "t4-4x-0", "79", "--gpu", "9", "--url", stack.url)
+    assert out.returncode != 0 and "has no GPU 9" in out.stderr
+
 
 def test_a_second_up_on_a_running_data_dir_is_refused_with_a_reason(tmp_path: Path, stacks: list[Stack]):
     first = Stack(tmp_path / "d")

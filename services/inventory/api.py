@@ -30,6 +30,7 @@ def node_view(node: NodeState) -> dict[str, Any]:
         "rack": info.rack,
         "zone": info.zone,
         "pool": info.pool,
+        "agent_url": info.agent_url or None,
         "cpu_milli": info.cpu_milli,
         "memory_mib": info.memory_mib,
         "cpu_allocated": node.cpu_alloc,

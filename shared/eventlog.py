@@ -119,6 +119,18 @@ class EventLog:
         self.nc = nc
         self.js = nc.jetstream(publish_async_max_pending=8192)
         self.replicas = replicas
+        self._sinks: dict[int, Callable[[bytes, bytes], None]] = {}  # subscription id -> raw (reply, body) receiver
+        process_msg = nc._process_msg
+
+        async def _process_msg(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+            """A replay's messages go straight to its receiver: no header parse, no Msg, no queue and task hop
+            (the body is the whole CloudEvent; the reply subject holds the sequence). Everything else as usual."""
+            sink = self._sinks.get(sid)
+            if sink is None:
+                return await process_msg(sid, subject, reply, data, headers)
+            sink(reply, data)
+
+        nc._process_msg = _process_msg  # type: ignore[method-assign]  # the parser calls it per message
 
     @classmethod
     async def connect(cls, url: str, *, replicas: int = 1, name: str = "gpuorch", ensure: bool = True) -> "EventLog":
@@ -354,13 +366,13 @@ class EventLog:
         """Pull ``pending`` messages in batches; the next batch is requested before this one is decoded,
         so the server sends while we fold (the two share this machine's cores)."""
         inbox = self.nc.new_inbox()
-        got: list[Msg] = []
+        got: list[tuple[bytes, bytes]] = []
         arrived = asyncio.Event()
         want = 0
 
-        async def collect(msg: Msg) -> None:
-            got.append(msg)
-            if len(got) >= want or not msg.reply:  # a status message (timeout, no messages) ends a round
+        def collect(reply: bytes, body: bytes) -> None:
+            got.append((reply, body))
+            if len(got) >= want or not reply:  # a status message (timeout, no messages) ends a round
                 arrived.set()
 
         async def request(n: int) -> None:
@@ -370,20 +382,22 @@ class EventLog:
             body = json.dumps({"batch": n, "expires": 4_000_000_000}).encode()
             await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{consumer}", body, reply=inbox)
 
-        sub = await self.nc.subscribe(inbox, cb=collect)
+        sub = await self.nc.subscribe(inbox)
+        self._sinks[sub._id] = collect
         try:
             await request(min(batch, pending))
             while pending > 0:
                 await wait_event(arrived, 5)
-                data = [m for m in got if m.reply]
+                data = [(reply.decode(), body) for reply, body in got if reply]
                 if not data:
                     raise _ConsumerLost(consumer)
-                pending = _ack_positions(data[-1].reply)[1]
+                pending = _ack_positions(data[-1][0])[1]
                 if pending > 0:
                     await request(min(batch, pending))
-                for msg in data:
-                    yield _decode_body(msg.data, _ack_positions(msg.reply)[0])
+                for reply, body in data:
+                    yield _decode_body(body, _ack_positions(reply)[0])
         finally:
+            self._sinks.pop(sub._id, None)
             await sub.unsubscribe()
 
     async def follow(self, from_seq: int | None = None, subject: str = f"{SUBJECT_PREFIX}.>") -> AsyncIterator[Record | None]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.simulation.traces import TraceError
+from services.simulation.traces import TraceError, yaml_list
 
 DEFAULT_REPAIR_H = 4.0
 MIX: tuple[tuple[float, int | None], ...] = (  # (share, XID; None: the node is lost)
@@ -95,17 +95,8 @@ def parse_faults(text: str, seed: int = 0) -> Faults:
 
 
 def load_faults(path: Path) -> list[FaultEntry]:
-    import yaml
-
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise TraceError(f"cannot read faults from {path}: {e}") from None
-    items = doc.get("faults") if isinstance(doc, dict) else doc
-    if not isinstance(items, list):
-        raise TraceError(f"{path}: expected a list of faults, or a mapping with a 'faults' list")
     out = []
-    for i, item in enumerate(items):
+    for i, item in enumerate(yaml_list(path, "faults")):
         try:
             out.append(FaultEntry.model_validate(item))
         except ValidationError as e:

@@ -260,6 +260,20 @@ def philly_nodes_for_load(jobs: Sequence[TraceJob], load: float, gpus_per_node: 
 SIM_KEYS = ("submit_at", "duration_s", "count")
 
 
+def yaml_list(path: Path, key: str) -> list:
+    """A YAML/JSON file holding a list, or a mapping with the list under ``key``."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise TraceError(f"cannot read {key} from {path}: {e}") from None
+    items = doc.get(key) if isinstance(doc, dict) else doc
+    if not isinstance(items, list):
+        raise TraceError(f"{path}: expected a list of {key}, or a mapping with a '{key}' list")
+    return items
+
+
 def load_job_files(target: Path) -> list[TraceJob]:
     """Our own job files: a directory of YAML/JSON jobs, or one YAML file with a list under ``jobs``.
 
@@ -267,8 +281,6 @@ def load_job_files(target: Path) -> list[TraceJob]:
     default 0), how long it runs (``duration_s``, default its time limit, else
     until the end) and how many copies to submit (``count``, default 1).
     """
-    import yaml
-
     from services.jobfile import JobFileError, load_job_file
 
     docs: list[dict] = []
@@ -280,14 +292,7 @@ def load_job_files(target: Path) -> list[TraceJob]:
                 except JobFileError as e:
                     raise TraceError(str(e)) from None
     else:
-        try:
-            doc = yaml.safe_load(target.read_text())
-        except (OSError, yaml.YAMLError) as e:
-            raise TraceError(f"cannot read {target}: {e}") from None
-        items = doc.get("jobs") if isinstance(doc, dict) else doc
-        if not isinstance(items, list):
-            raise TraceError(f"{target}: expected a list of jobs, or a mapping with a 'jobs' list")
-        docs = items
+        docs = yaml_list(target, "jobs")
     jobs = []
     for n, doc in enumerate(docs):
         if not isinstance(doc, dict):

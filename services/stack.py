@@ -27,7 +27,7 @@ import typer
 from shared.api_events import events_router
 from shared.eventlog import EventLog
 from shared.natsd import NatsServer, free_port, port_open
-from shared.runtime import Metrics, Service, build_app, http_server, run_process, serve_until_signal
+from shared.runtime import Metrics, Service, StopSignals, build_app, http_server, run_process, serve_until_signal
 from shared.settings import Settings
 from shared.telemetry import setup_logging, setup_tracing
 
@@ -99,6 +99,7 @@ def write_stack_file(settings: Settings, nats_url: str, split: bool, nats_pid: i
 
 
 async def _serve_one_process(settings: Settings, nats_url: str, names: tuple[str, ...]) -> None:
+    signals = StopSignals()  # a Ctrl-C while starting is kept, not lost
     evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-stack")
     metrics = Metrics()
     services = [build_service(n, settings, metrics) for n in names]
@@ -107,7 +108,7 @@ async def _serve_one_process(settings: Settings, nats_url: str, names: tuple[str
         log.info("event=stack_up api=http://%s:%d nats=%s services=%s", settings.host, settings.port, nats_url, ",".join(names))
 
     try:
-        await run_process(services, evlog, settings.host, settings.port, [events_router(lambda: evlog)], started)
+        await run_process(services, evlog, settings.host, settings.port, [events_router(lambda: evlog)], started, signals)
     finally:
         await evlog.close()
 
@@ -263,6 +264,7 @@ async def serve_gateway(
     import httpx
     from fastapi import Request, Response
 
+    signals = StopSignals()
     evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-gateway")
     app = build_app([], [events_router(lambda: evlog)])
     client = httpx.AsyncClient(timeout=30)
@@ -302,7 +304,7 @@ async def serve_gateway(
     log.info("event=gateway_up api=http://%s:%d services=%s", settings.host, settings.port, upstreams)
     task = asyncio.create_task(background) if background is not None else None
     try:
-        await serve_until_signal(server)
+        await serve_until_signal(server, signals)
     finally:
         if task is not None:
             task.cancel()
@@ -334,9 +336,10 @@ def main_one(name: str) -> None:
 
 
 async def _serve_alone(name: str, settings: Settings) -> None:
+    signals = StopSignals()
     evlog = await EventLog.connect(settings.nats_url or "", replicas=settings.replicas, name=f"gpuorch-{name}")
     try:
-        await run_process([build_service(name, settings)], evlog, settings.host, settings.port)
+        await run_process([build_service(name, settings)], evlog, settings.host, settings.port, signals=signals)
     finally:
         await evlog.close()
 

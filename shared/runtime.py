@@ -343,8 +343,9 @@ async def run_process(
     port: int,
     extra_routers: list[APIRouter] = (),
     started: Callable[[], None] | None = None,
+    signals: "StopSignals | None" = None,
 ) -> None:
-    """Serve the services' HTTP API on host:port and run them until SIGINT/SIGTERM."""
+    """Serve the services' HTTP API on host:port and run them until SIGINT/SIGTERM (``signals``: installed earlier)."""
     server = http_server(build_app(services, list(extra_routers)), host, port)
     tasks = [asyncio.create_task(s.run(log_), name=f"svc-{s.name}") for s in services]
 
@@ -359,7 +360,7 @@ async def run_process(
     if started is not None:
         started()
     try:
-        await serve_until_signal(server)
+        await serve_until_signal(server, signals)
     finally:
         for s in services:
             s.stop()
@@ -381,19 +382,39 @@ def http_server(app: FastAPI, host: str, port: int) -> "uvicorn.Server":
     return Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
 
 
-async def serve_until_signal(server: "uvicorn.Server") -> None:
-    """Serve until SIGINT or SIGTERM; a second signal forces the exit."""
-    loop = asyncio.get_running_loop()
+class StopSignals:
+    """SIGINT and SIGTERM, caught from the first line of a process's main coroutine.
 
-    def stop() -> None:
-        if server.should_exit:
-            server.force_exit = True
-        server.should_exit = True
+    A signal while the process is still starting (connecting, replaying) is kept
+    and stops the server the moment it serves: asyncio.run's own handler would
+    cancel the main task instead, and a cancellation can be lost inside a library's
+    wait_for. A second signal forces the exit.
+    """
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop)
+    def __init__(self) -> None:
+        self.requested = asyncio.Event()
+        self.server: "uvicorn.Server | None" = None
+        self.loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.add_signal_handler(sig, self.on_signal)
+
+    def on_signal(self) -> None:
+        if self.server is not None:
+            self.server.force_exit = self.server.should_exit
+            self.server.should_exit = True
+        self.requested.set()
+
+    def close(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.remove_signal_handler(sig)
+
+
+async def serve_until_signal(server: "uvicorn.Server", signals: StopSignals | None = None) -> None:
+    """Serve until SIGINT or SIGTERM (also one received before serving began); a second signal forces the exit."""
+    signals = signals or StopSignals()
+    signals.server = server
+    server.should_exit = signals.requested.is_set()
     try:
         await server.serve()
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        signals.close()

@@ -149,6 +149,27 @@ def test_the_cli_runs_jobs_on_a_stack_started_on_its_default_data_dir(tmp_path: 
     assert out.returncode != 0 and "has no GPU 9" in out.stderr
 
 
+def test_ctrl_c_while_the_stack_starts_stops_it_and_leaves_nothing_behind(tmp_path: Path):
+    data = tmp_path / "d"
+    data.mkdir()
+    out = data / "up.out"
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(free_port()), "--data-dir", str(data),
+                             "--nodes", "t4-4x:1"], env=ENV, start_new_session=True, stdout=open(out, "ab"),
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "event=agents_started" in out.read_text(), 30, "the agents to be started")
+        proc.send_signal(signal.SIGINT)  # services are connecting and replaying: not serving yet
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    info = json.loads((data / "stack.json").read_text())
+    assert code in (0, -signal.SIGINT), out.read_text()
+    assert "Traceback" not in out.read_text()
+    wait_until(lambda: not any(alive(p) for p in [info["nats_pid"], *info.get("agent_pids", [])]), 15,
+               "the nats-server and the agents to stop")
+
+
 def test_a_second_up_on_a_running_data_dir_is_refused_with_a_reason(tmp_path: Path, stacks: list[Stack]):
     first = Stack(tmp_path / "d")
     stacks.append(first)

@@ -347,12 +347,13 @@ async def run_agent(
 ) -> None:
     """`gpuorch agent`: serve the agent's HTTP on host:port and run it until SIGINT/SIGTERM."""
     from shared.eventlog import EventLog
-    from shared.runtime import run_process
+    from shared.runtime import StopSignals, run_process
 
+    signals = StopSignals()
     agent = Agent(node, work_dir, nvml, heartbeat_s=heartbeat_s, telemetry_s=telemetry_s)
     evlog = await EventLog.connect(nats_url, name=f"gpuorch-agent-{node.node_id}")
     try:
-        await run_process([agent.svc], evlog, host, port)
+        await run_process([agent.svc], evlog, host, port, signals=signals)
     finally:
         if kill_tasks_on_exit:
             agent.stop_all()

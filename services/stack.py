@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from fastapi import Request, Response  # module level: the gateway's handlers are annotated with them
 
 from shared.api_events import events_router
 from shared.eventlog import EventLog
@@ -262,7 +263,6 @@ async def serve_gateway(
 ) -> None:
     """The API on one port: the history API served here, every other path forwarded to its service."""
     import httpx
-    from fastapi import Request, Response
 
     signals = StopSignals()
     evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-gateway")

@@ -180,6 +180,27 @@ def test_a_second_up_on_a_running_data_dir_is_refused_with_a_reason(tmp_path: Pa
     assert "another gpuorch stack is running" in out.stderr
 
 
+def test_the_split_gateway_forwards_each_path_to_its_service(tmp_path: Path, stacks: list[Stack]):
+    stack = Stack(tmp_path / "d", split=True, nodes="t4-4x:1")
+    stacks.append(stack)
+    stack.start()
+    r = httpx.put(f"{stack.url}/v1/queues/research", json={"guaranteed": {"gpus": 2}, "weight": 2})
+    assert r.status_code == 200, r.text
+    wait_until(lambda: len(httpx.get(f"{stack.url}/v1/nodes").json()) == 1, 30, "the node to register")
+    r = httpx.post(f"{stack.url}/v1/jobs", json={"name": "hi", "queue": "research", "resources": {"gpus": 1},
+                                                 "command": ["sh", "-c", "echo hi"]})
+    assert r.status_code in (200, 201, 202), r.text
+    job = r.json()["id"]
+    wait_until(lambda: httpx.get(f"{stack.url}/v1/jobs/{job}").json()["state"] == "succeeded", 30, "the job to succeed")
+    assert httpx.get(f"{stack.url}/v1/jobs/{job}/logs").json()["data"] == "hi\n"
+    r = httpx.post(f"{stack.url}/v1/jobs", json={"name": "bad", "queue": "nope", "resources": {"gpus": 1}})
+    assert r.status_code == 422 and "nope" in r.text, "the scheduler's own refusal, through the gateway"
+    assert httpx.post(f"{stack.url}/v1/nodes/t4-4x-0/cordon", json={"reason": "test"}).status_code == 200
+    wait_until(lambda: httpx.get(f"{stack.url}/v1/nodes/t4-4x-0").json()["state"] == "cordoned", 15, "the cordon")
+    assert httpx.get(f"{stack.url}/v1/queues").status_code == 200 and httpx.get(f"{stack.url}/v1/pools").status_code == 200
+    assert stack.stop() == 0
+
+
 @pytest.mark.slow
 def test_split_service_killed_mid_stream_rebuilds_the_same_state(tmp_path: Path, stacks: list[Stack]):
     stack = Stack(tmp_path / "d", split=True)

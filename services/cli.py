@@ -123,14 +123,42 @@ def gateway(
 
 # --- API client ----------------------------------------------------------------------
 
-UrlOpt = Annotated[str, typer.Option("--url", envvar="GPUORCH_URL", help="gpuorch API")]
+UrlOpt = Annotated[str, typer.Option("--url", envvar="GPUORCH_URL",
+                                     help="gpuorch API (default: the stack running on ./.gpuorch, else this)")]
 DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def resolve_url(url: str, data_dir: Path = Path(".gpuorch")) -> str:
+    """The default URL means "the stack running here": its API, wherever `gpuorch up --port` put it."""
+    if url != DEFAULT_URL or not stack_running(data_dir):
+        return url
+    try:
+        return str(json.loads((data_dir / "stack.json").read_text())["api"])
+    except (OSError, ValueError, KeyError):
+        return url
+
+
+def stack_running(data_dir: Path) -> bool:
+    """A stack holds the data dir's lock while it runs."""
+    import fcntl
+
+    try:
+        with open(data_dir / "stack.lock", "rb") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh, fcntl.LOCK_UN)
+    except OSError:
+        pass
+    return False
 
 
 def api(method: str, url: str, path: str, **kw: Any) -> Any:
     """Call the API; turn every failure into a message a person can act on."""
     import httpx
 
+    url = resolve_url(url)
     try:
         resp = httpx.request(method, url.rstrip("/") + path, timeout=30, **kw)
     except httpx.HTTPError as e:

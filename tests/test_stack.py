@@ -30,7 +30,7 @@ def alive(pid: int) -> bool:
 
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+ENV = {**{k: v for k, v in os.environ.items() if k != "GPUORCH_URL"}, "PYTHONPATH": str(REPO)}
 
 
 class Stack:
@@ -127,7 +127,7 @@ def test_the_cli_runs_jobs_on_a_stack_started_on_its_default_data_dir(tmp_path: 
         ids[name] = json.loads(out.stdout)["id"]
 
     def finished() -> dict[str, dict] | None:
-        jobs = {j["name"]: j for j in json.loads(gpuorch(tmp_path, "jobs", "-a", "--json", "--url", stack.url).stdout)}
+        jobs = {j["name"]: j for j in json.loads(gpuorch(tmp_path, "jobs", "-a", "--json").stdout)}  # finds the stack here
         return jobs if all(jobs.get(n, {}).get("state") in ("succeeded", "failed") for n in ids) else None
 
     wait_until(finished, 30, "both jobs to finish")
@@ -136,7 +136,7 @@ def test_the_cli_runs_jobs_on_a_stack_started_on_its_default_data_dir(tmp_path: 
     assert jobs["ok"]["state"] == "succeeded", "a task's exit is read back although it runs in a relative data dir"
     assert (jobs["bad"]["state"], jobs["bad"]["exit_code"]) == ("failed", 7)
     assert httpx.get(f"{stack.url}/v1/jobs/{ids['ok']}").json()["spec"]["max_retries"] == 2
-    assert gpuorch(tmp_path, "logs", ids["ok"], "--url", stack.url).stdout == "hi\n"
+    assert gpuorch(tmp_path, "logs", ids["ok"]).stdout == "hi\n"
     history = gpuorch(tmp_path, "events", "replay")  # the running stack's own log, found from its data dir
     assert history.returncode == 0 and f"job/{ids['ok']}" in history.stdout and "job.succeeded" in history.stdout, history.stderr
 

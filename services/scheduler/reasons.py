@@ -123,6 +123,9 @@ def _gpu_filters(s: TaskShape) -> list[tuple[str, Callable[[GpuSnap], bool]]]:
 def _no_match(s: TaskShape, nodes: Sequence[NodeSnap]) -> str:
     """Name the first requirement that no schedulable node meets, and where a match sits idle."""
     up = [n for n in nodes if n.schedulable]
+    if not up:
+        parked = [n.node_id for n in nodes]
+        return "no schedulable node" + (f" (cordoned, draining or lost: {', '.join(parked[:5])})" if parked else " yet")
     labelled = [n for n in up if all(n.labels.get(k) == v for k, v in s.selector)]
     if not labelled:
         wanted = ", ".join(f"{k}={v}" for k, v in s.selector)

@@ -223,6 +223,18 @@ def test_a_label_nobody_has_is_named() -> None:
     assert plan.unschedulable["m"] == "needs 1 GPU on nodes labelled pool=serve; no schedulable node is labelled pool=serve"
 
 
+def test_a_cluster_without_schedulable_nodes_says_so() -> None:
+    empty = cluster()
+    empty.pending(job("g").gpus(8).tasks(2).build(), "g")
+    parked = cluster(node("c").gpus(8), node("d").gpus(8))
+    parked.cordon("c").drain("d")
+    parked.pending(job("g").gpus(8).tasks(2).build(), "g")
+
+    assert run_cycle(empty.snapshot()).unschedulable["g"] == "needs 2 tasks × 8 GPUs; no schedulable node yet"
+    assert run_cycle(parked.snapshot()).unschedulable["g"] == (
+        "needs 2 tasks × 8 GPUs; no schedulable node (cordoned, draining or lost: c, d)")
+
+
 def test_cordoned_draining_and_lost_nodes_and_sick_gpus_are_never_used() -> None:
     c = cluster(node("c").gpus(8), node("d").gpus(8), node("l").gpus(8), node("ok").gpus(2))
     c.cordon("c").drain("d").lose("l").sick_gpu("ok", 0)

@@ -112,16 +112,17 @@ def paper_report(node_csv: Path, pod_csv: Path, policies: list[str], seed: int, 
 
 def time_report(nodes: tuple[NodeInfo, ...], jobs: list[TraceJob], policies: list[str], seed: int, *,
                 fifo: bool = False, backfill: bool = True, progress: bool = False,
-                trace: str = "", health: bool = True, faults: Faults = ()) -> tuple[dict[str, Any], dict[str, SimResult]]:
+                trace: str = "", health: bool = True, faults: Faults = (),
+                checkpoint_s: float | None = None) -> tuple[dict[str, Any], dict[str, SimResult]]:
     out: dict[str, Any] = {"input": {"trace": trace, "nodes": len(nodes), "gpus": sum(len(n.gpus) for n in nodes),
                                      "jobs": len(jobs), "fifo": fifo, "backfill": backfill and not fifo,
-                                     "health": health, "faults": describe_faults(faults)},
+                                     "health": health, "faults": describe_faults(faults), "checkpoint_s": checkpoint_s},
                            "runs": {}}
     results = {}
     for name in policies:
         with progress_bar(progress, name) as bar:
             r = simulate_jobs(nodes, jobs, name, seed, backfill=backfill, fifo=fifo, progress=bar,
-                              health=live_health() if health else None, faults=faults)
+                              health=live_health() if health else None, faults=faults, checkpoint_s=checkpoint_s)
         label = f"{name}{' fifo' if fifo else ''}"
         results[label] = r
         out["runs"][label] = {"metrics": r.metrics(), "timeline": report.timeline(r)}
@@ -193,7 +194,7 @@ def health_line(m: dict[str, Any]) -> str:
 
 def _run_autoscaled(trace: str, pool: str, idle: str, policy: str, limit: int | None, days: str | None,
                     out: Path, as_json: bool, faults: str | None = None, max_retries: int | None = None,
-                    seed: int = 0, health: bool = True) -> None:
+                    seed: int = 0, health: bool = True, checkpoint_s: float | None = None) -> None:
     """A time-based trace on an empty cluster whose pool the autoscaler's planner grows and shrinks."""
     from rich.console import Console
 
@@ -220,14 +221,15 @@ def _run_autoscaled(trace: str, pool: str, idle: str, policy: str, limit: int | 
         runs = {}
         for t in timeouts:
             sim = AutoscaledSimulation([], jobs, live_policy(policy, seed), PoolSpec("pool", profile, 0, int(max_nodes), delay, t),
-                                       health=live_health() if health else None, faults=injected)
+                                       health=live_health() if health else None, faults=injected,
+                                       checkpoint_s=checkpoint_s)
             m = sim.run().metrics()
             runs[f"{t:g}"] = {"nodes_bought": sim.pool.bought, "node_hours": round(sim.node_hours(), 1), **m}
     except (TraceError, ValueError) as e:
         _stderr().print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
     doc = {"trace": trace, "pool": pool, "policy": policy, "seed": seed, "faults": describe_faults(injected),
-           "idle_timeouts": runs}
+           "checkpoint_s": checkpoint_s, "idle_timeouts": runs}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
     if as_json:
         print(json.dumps(doc, indent=2))
@@ -303,6 +305,8 @@ def simulate(
     max_retries: Annotated[int | None, typer.Option(
         min=0, max=100, help="time-based traces: retries of every job after a lost node (default: each job's own)")] = None,
     health: Annotated[bool, typer.Option(help="time-based traces: run the health rules (time limits, faults)")] = True,
+    checkpoint_min: Annotated[float | None, typer.Option(
+        min=0.1, help="time-based traces: jobs checkpoint every M minutes; a restart runs only the rest")] = None,
 ) -> None:
     """Replay a trace or recorded history through the scheduler's core in virtual time, and compare policies."""
     err = _stderr()
@@ -311,13 +315,14 @@ def simulate(
         return
     if pool is not None:
         _run_autoscaled(trace or "", pool, idle_timeout, policy or "fgd+", limit, days, out, as_json, faults, max_retries,
-                        0 if seed is None else seed, health)
+                        0 if seed is None else seed, health, checkpoint_min and checkpoint_min * 60)
         return
     try:
         if (trace is None) == (from_log is None):
             raise TraceError("give exactly one of --trace, --from-log or --scenario")
-        if from_log is not None and (faults or max_retries is not None):
-            raise TraceError("--faults and --max-retries are for --trace: a recorded log replays its own node events")
+        if from_log is not None and (faults or max_retries is not None or checkpoint_min):
+            raise TraceError("--faults, --max-retries and --checkpoint-min are for --trace: a recorded log replays "
+                             "its own node events and durations")
         policies = parse_policies(policy, compare_with) if from_log else parse_policies(policy or "fgd+", compare_with)
         t0 = time.perf_counter()
         if from_log is not None:
@@ -328,13 +333,13 @@ def simulate(
         else:
             kind, path = parse_trace(trace or "")
             doc, png, used_seed = _run_trace(kind, path, policies, seed, load, nodes, mode, fifo, backfill, limit, days, progress,
-                                             out, health, faults, max_retries)
+                                             out, health, faults, max_retries, checkpoint_min and checkpoint_min * 60)
     except (TraceError, ValueError) as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
     doc["seed"] = used_seed
     doc["command"] = _command(trace, from_log, policy, compare_with, used_seed, load, nodes, mode, fifo, backfill, limit, days,
-                              out, faults, max_retries, health)
+                              out, faults, max_retries, health, checkpoint_min)
     doc["wall_s"] = round(time.perf_counter() - t0, 3)
     doc["plot"] = str(png)
     out.with_suffix(".json").parent.mkdir(parents=True, exist_ok=True)
@@ -348,10 +353,11 @@ def simulate(
 def _run_trace(kind: str, path: Path, policies: list[str], seed: int | None, load: float | None, nodes: str | None,
                mode: str | None, fifo: bool, backfill: bool, limit: int | None, days: str | None, progress: bool,
                out: Path, health: bool = True, faults: str | None = None,
-               max_retries: int | None = None) -> tuple[dict[str, Any], Path, int]:
+               max_retries: int | None = None, checkpoint_s: float | None = None) -> tuple[dict[str, Any], Path, int]:
     if kind == "openb" and (mode or "paper") == "paper":
-        if faults or max_retries is not None:
-            raise TraceError("--faults and --max-retries are for time-based replays (the paper's method has no time)")
+        if faults or max_retries is not None or checkpoint_s:
+            raise TraceError("--faults, --max-retries and --checkpoint-min are for time-based replays "
+                             "(the paper's method has no time)")
         node_csv, pod_csv = openb_paths(path)
         node_csv = Path(nodes) if nodes else node_csv
         used = PAPER_SEED if seed is None else seed
@@ -380,17 +386,18 @@ def _run_trace(kind: str, path: Path, policies: list[str], seed: int | None, loa
     if injected and not health:
         raise TraceError("--faults takes the health rules: drop --no-health")
     doc, results = time_report(cluster, jobs, policies, used, fifo=fifo, backfill=backfill, progress=progress,
-                               trace=f"{kind}:{path}", health=health, faults=injected)
+                               trace=f"{kind}:{path}", health=health, faults=injected, checkpoint_s=checkpoint_s)
     return doc, report.plot_timelines(results, out.with_suffix(".png"), f"{kind}: {path.name}, seed {used}"), used
 
 
 def _command(trace, from_log, policy, compare_with, seed, load, nodes, mode, fifo, backfill, limit, days, out,
-             faults=None, max_retries=None, health=True) -> str:
+             faults=None, max_retries=None, health=True, checkpoint_min=None) -> str:
     """The command line that reproduces this run exactly (every default that matters made explicit)."""
     args = ["gpuorch", "simulate"]
     for flag, value in (("--trace", trace), ("--from-log", from_log), ("--policy", policy), ("--compare", compare_with),
                         ("--seed", seed), ("--load", load), ("--nodes", nodes), ("--mode", mode), ("--limit", limit),
-                        ("--days", days), ("--faults", faults), ("--max-retries", max_retries), ("--out", out)):
+                        ("--days", days), ("--faults", faults), ("--max-retries", max_retries),
+                        ("--checkpoint-min", checkpoint_min), ("--out", out)):
         if value is not None:
             args += [flag, str(value)]
     args += ["--fifo"] if fifo else []

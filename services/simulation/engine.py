@@ -67,7 +67,8 @@ class Outcome:
     preemptions: int = 0
     requeues: int = 0  # sent back to the queue by health (node lost) and placed again
     state: str = "submitted"  # where it was left: succeeded, failed, cancelled, or still waiting or holding
-    interrupted_gpu_s: float = 0.0  # GPU-seconds of runs cut short (preempted, requeued, failed): work lost without checkpoints
+    interrupted_gpu_s: float = 0.0  # GPU-seconds of runs cut short (preempted, requeued, failed) since their last checkpoint
+    saved_s: float = 0.0  # work kept in checkpoints: a restart runs only the rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +185,10 @@ class Simulation:
         half_life_s: float | None = None,
         health: HealthPolicy | None = None,
         faults: Faults = (),
+        checkpoint_s: float | None = None,
     ) -> None:
         self.policy = policy
+        self.checkpoint_s = checkpoint_s  # jobs save their progress this often; None: a restart starts from scratch
         self.half_life_s = Settings().half_life_s if half_life_s is None else half_life_s
         self.fifo = fifo
         self.jobs = {j.job_id: j for j in jobs}
@@ -256,7 +259,8 @@ class Simulation:
     def _fold_job(self, job_id: str, event: Event, t: float, source: str = SIM) -> int:
         """Fold one event of a job, keeping the allocation, the waiting and holding sets and its outcome in step."""
         job = self.proj.jobs.get(job_id)
-        held, placed_at = _held(job), job.placed_at if job else None
+        held = _held(job)
+        began = None if job is None else job.started_at if self.health is not None else job.placed_at  # its tasks ran since
         seq = self._fold(event, t, source)
         job = self.proj.jobs[job_id]
         holds = _held(job)
@@ -272,8 +276,11 @@ class Simulation:
         if held and not holds:
             if job.state in TERMINAL:
                 out.ended = t
-            if job.state not in ("succeeded", "cancelled") and placed_at is not None:
-                out.interrupted_gpu_s += held / MILLI * (t - placed_at)
+            if job.state not in ("succeeded", "cancelled") and began is not None:
+                ran = t - began
+                kept = math.floor(ran / self.checkpoint_s) * self.checkpoint_s if self.checkpoint_s else 0.0
+                out.saved_s += kept
+                out.interrupted_gpu_s += held / MILLI * (ran - kept)
         return seq
 
     # --- what happens at one instant ----------------------------------------------------
@@ -335,6 +342,7 @@ class Simulation:
                 continue  # its tasks never start: health finds the node lost and requeues it
             duration = self.jobs[job_id].duration
             if duration is not None:
+                duration = max(0.0, duration - out.saved_s)
                 self._push(now + duration, END, job_id, gen)
             if self.health is not None:
                 for task in job.placements:
@@ -524,9 +532,9 @@ def live_health(settings: Settings | None = None) -> HealthPolicy:
 def simulate_jobs(
     nodes: Sequence[NodeInfo], jobs: Sequence[TraceJob], policy: str = "fgd", seed: int = 0, *,
     backfill: bool = True, fifo: bool = False, progress: Callable[[int, int], None] | None = None,
-    health: HealthPolicy | None = None, faults: Faults = (),
+    health: HealthPolicy | None = None, faults: Faults = (), checkpoint_s: float | None = None,
 ) -> SimResult:
-    """Replay ``jobs`` on ``nodes`` under a named policy (FIFO: strict order, no backfill), with the health rules
-    and injected faults if given."""
+    """Replay ``jobs`` on ``nodes`` under a named policy (FIFO: strict order, no backfill), with the health rules,
+    injected faults and checkpoints if given."""
     return Simulation(nodes, jobs, live_policy(policy, seed, backfill and not fifo), fifo=fifo, health=health,
-                      faults=faults).run(progress)
+                      faults=faults, checkpoint_s=checkpoint_s).run(progress)

@@ -64,6 +64,18 @@ def test_xid_79_marks_the_gpu_cordons_and_drains_the_node_and_the_job_restarts_e
     assert (h["gpus_marked"], h["nodes_cordoned"], h["jobs_preempted_by_drains"], h["nodes_drained"]) == (1, 1, 1, 1)
 
 
+def test_with_checkpoints_a_restarted_job_runs_only_what_its_last_checkpoint_did_not_keep():
+    jobs = [train()]
+    bad = first_node(jobs)
+    sim = Simulation(uniform_cluster(2), jobs, live_policy("fgd+"), health=POLICY,
+                     faults=[FaultEntry(t=100, node=bad, gpu=3, xid=79)], checkpoint_s=60)
+    sim.run()
+    out = sim.outcomes["train"]
+    stopped = 100 + POLICY.fault_grace_s  # ran 130 s: two checkpoints kept 120 s of it
+    assert out.saved_s == 120 and out.interrupted_gpu_s == 8 * 10
+    assert out.ended == stopped + 1000 - 120
+
+
 def test_an_application_xid_marks_nothing_and_the_job_runs_on():
     jobs = [train()]
     sim, result = run(jobs, [FaultEntry(t=100, node=first_node(jobs), gpu=0, xid=13)])

@@ -13,7 +13,7 @@ from typing import Any
 
 from shared import events as ev
 from shared.events import Envelope, TaskPlacement
-from shared.fairshare import Division, accrue, divide
+from shared.fairshare import Division, Ratios, accrue, divide, job_share
 from shared.model import MILLI, JobSpec, NodeInfo, QueueSpec
 from shared.runtime import Projection
 
@@ -382,12 +382,23 @@ class ClusterProjection(Projection):
             for g in n.info.gpus if g.healthy and g.uuid not in n.unhealthy
         ))
 
+    def share_ratios(self) -> Ratios:
+        """CPU and memory per healthy GPU over the schedulable nodes: the exchange rates of dominant share."""
+        gpus, cpu, mem = 0, 0, 0
+        for n in self.nodes.values():
+            if n.schedulable:
+                gpus += sum(1 for g in n.info.gpus if g.healthy and g.uuid not in n.unhealthy)
+                cpu, mem = cpu + n.info.cpu_milli, mem + n.info.memory_mib
+        return Ratios.of(gpus, cpu, mem)
+
     def queue_load(self, waited_before: float | None = None) -> tuple[dict[str, float], dict[str, float]]:
-        """(allocated, pending) GPUs per leaf queue; with ``waited_before``, only jobs waiting since then count as pending."""
+        """(allocated, pending) per leaf queue in GPU-equivalents of the dominant resource (see shared.fairshare);
+        with ``waited_before``, only jobs waiting since then count as pending."""
         alloc: dict[str, float] = {}
         pending: dict[str, float] = {}
+        ratios = self.share_ratios()
         for job in self.jobs.values():
-            gpus = job.gpu_milli_total / MILLI
+            gpus = job_share(job.spec, ratios)
             if job.state in ACTIVE:
                 alloc[job.spec.queue] = alloc.get(job.spec.queue, 0.0) + gpus
             elif job.state in PENDING and (waited_before is None or job.updated_at <= waited_before):

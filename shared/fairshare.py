@@ -14,6 +14,14 @@ At every level of the tree the parent's amount is split among its children:
 3. the weight used in step 2 is lowered for a child with a high time-decayed
    usage relative to its share (Slurm's fair-share factor 2^(-usage/share)), so
    with equal weights the queue that used more gets less of what is over quota.
+
+Multi-resource: demand and allocation are counted by dominant share (DRF,
+Ghodsi et al. 2011), in GPU-equivalents: a job's largest share of the cluster's
+GPUs, CPU or memory, times the cluster's GPUs (``dominant_gpus``). A job asking
+for GPUs and no more than their share of CPU and memory counts its GPUs; one
+asking 1 GPU and half the cluster's CPU counts half the GPUs. Guarantees, limits
+and entitlements are in the same unit. Usage (the decay of step 3) stays in
+GPU-seconds.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shared.model import QueueSpec
+from shared.model import MILLI, JobSpec, QueueSpec
 
 EPS = 1e-9
 ROOT = ""
@@ -48,6 +56,30 @@ def children(paths: list[str] | set[str] | Mapping[str, object]) -> dict[str, li
 def leaves(queues: Mapping[str, object]) -> list[str]:
     tree = children(queues)
     return sorted(p for p in queues if p not in tree)
+
+
+@dataclass(frozen=True)
+class Ratios:
+    """The cluster's CPU and memory per GPU: how dominant shares convert to GPU-equivalents (0: not counted)."""
+
+    cpu_milli: float = 0.0
+    memory_mib: float = 0.0
+
+    @staticmethod
+    def of(gpus: float, cpu_milli: float, memory_mib: float) -> "Ratios":
+        return Ratios(cpu_milli / gpus, memory_mib / gpus) if gpus > 0 else Ratios()
+
+
+def dominant_gpus(gpus: float, cpu_milli: float, memory_mib: float, r: Ratios) -> float:
+    """A demand in GPU-equivalents: its largest share of any resource, times the cluster's GPUs."""
+    return max(gpus, cpu_milli / r.cpu_milli if r.cpu_milli > 0 else 0.0,
+               memory_mib / r.memory_mib if r.memory_mib > 0 else 0.0)
+
+
+def job_share(spec: JobSpec, r: Ratios) -> float:
+    """A job's demand, all its tasks, in GPU-equivalents."""
+    res, n = spec.resources, spec.tasks
+    return dominant_gpus(spec.gpu_milli * n / MILLI, res.cpu_milli * n, res.memory_mib * n, r)
 
 
 @dataclass(frozen=True)

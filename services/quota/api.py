@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Query
 from shared import events as ev
 from shared.cluster import ACTIVE, PENDING, ClusterProjection
 from shared.fairshare import children, divide, parent_of
-from shared.model import QueueSpec, valid_queue_path
+from shared.model import MILLI, QueueSpec, valid_queue_path
 from shared.runtime import Service
 
 
@@ -33,8 +33,17 @@ def router(svc: Service, half_life_s: float) -> APIRouter:
 
     @r.get("/v1/queues")
     def list_queues() -> list[dict[str, Any]]:
+        """Every queue; amounts in GPUs, and for fair share (entitlement, fair share, dominant_gpus) in
+        GPU-equivalents of the dominant resource: the same as GPUs unless a queue's jobs take a larger share
+        of the cluster's CPU or memory than of its GPUs."""
         now = time.time()
         alloc, pending = proj.queue_load()
+        gpus_held: dict[str, float] = {}
+        gpus_wanted: dict[str, float] = {}
+        for job in proj.jobs.values():
+            table = gpus_held if job.state in ACTIVE else gpus_wanted if job.state in PENDING else None
+            if table is not None:
+                table[job.spec.queue] = table.get(job.spec.queue, 0.0) + job.gpu_milli_total / MILLI
         division = proj.division(now, half_life_s)
         # the static share: what each queue would get if every queue wanted everything
         fair = divide(proj.capacity_gpus(), proj.queues, {q: 1e12 for q in proj.queues}).entitlement
@@ -47,7 +56,8 @@ def router(svc: Service, half_life_s: float) -> APIRouter:
 
         return [
             {"path": path, **spec.model_dump(mode="json"), "leaf": path not in tree,
-             "allocated": {"gpus": subtree(path, alloc)}, "pending": {"gpus": subtree(path, pending)},
+             "allocated": {"gpus": subtree(path, gpus_held), "dominant_gpus": round(subtree(path, alloc), 3)},
+             "pending": {"gpus": subtree(path, gpus_wanted), "dominant_gpus": round(subtree(path, pending), 3)},
              "entitlement": {"gpus": round(division.entitlement.get(path, 0.0), 3)},
              "fair_share": {"gpus": round(fair.get(path, 0.0), 3)},
              "usage": {"gpu_hours_decayed": round(subtree(path, usage) / 3600, 3), "half_life_s": half_life_s}}

@@ -21,7 +21,8 @@ from services.scheduler.shapes import TaskShape
 from services.scheduler.snapshot import PendingJob, RunningJob, Snapshot
 from services.scheduler.workstate import LONG, NOW, Footprint, WorkState
 from shared.events import GpuShare, TaskPlacement
-from shared.model import MILLI
+from shared.fairshare import job_share
+from shared.model import MILLI, JobSpec
 
 __all__ = [
     "Cycle", "Placement", "Plan", "Policy", "Preemption", "ReclaimRequest", "Reservation", "reclaim", "run_cycle",
@@ -66,9 +67,9 @@ class Cycle:
         self.evicted: set[str] = set()
         self.waiting: list[tuple[PendingJob, str]] = []  # not placed, in the order tried, with what they may use
         self.ends: list[tuple[float, str, Footprint]] = []  # jobs placed this cycle: when they free up
-        self.allocated: dict[str, float] = {}
+        self.allocated: dict[str, float] = {}  # per queue, in GPU-equivalents of the dominant resource
         for r in snapshot.running:
-            self.allocated[r.queue] = self.allocated.get(r.queue, 0.0) + r.gpu_milli / MILLI
+            self.allocated[r.queue] = self.allocated.get(r.queue, 0.0) + self.share(r.spec)
         self._failed: dict[tuple[int, str, str], int] = {}  # (shape, topology, mode) -> fewest tasks that failed
         self._ever: dict[tuple[int, str, int], bool] = {}
         self._reasons: dict[tuple[int, str, int, str], str] = {}
@@ -156,7 +157,7 @@ class Cycle:
             held = tuple((g, bit, MILLI if bit else shape.milli) for g, bit in pick)
             fp.append((idx, held, shape.cpu, shape.mem, None))
         self.placements[job.job_id] = Placement(job.job_id, tuple(tasks), fit.spread, self.policy.name)
-        self.allocated[job.queue] = self.allocated.get(job.queue, 0.0) + shape.gpu_milli * job.spec.tasks / MILLI
+        self.allocated[job.queue] = self.allocated.get(job.queue, 0.0) + self.share(job.spec)
         limit = job.spec.time_limit_s
         self.ends.append((math.inf if limit is None else self.now + limit, job.job_id, tuple(fp)))
 
@@ -312,23 +313,27 @@ class Cycle:
             names = ", ".join(v.job_id for v in victims)
             self.unschedulable[job.job_id] = f"waiting for preemption of {names} (grace {self.policy.grace_s} s)"
 
+    def share(self, spec: JobSpec) -> float:
+        """A job's size for fair share: GPU-equivalents of its dominant resource."""
+        return job_share(spec, self.snap.ratios)
+
     def reclaim(self, requests: Sequence[ReclaimRequest | tuple[str, float]]) -> None:
-        """Free GPUs for queues below their entitlement by evicting other queues' gangs.
+        """Free GPU-equivalents for queues below their entitlement by evicting other queues' gangs.
 
         Victims come from queues above their entitlement (any other queue without
         entitlements), lowest priority and cheapest first, never pushing a queue
         below its entitlement.
         """
         ent = self.snap.entitlements
-        # GPUs of jobs already preempting are on their way to whoever waits: they count as freed,
-        # and their queues no longer hold them (or each cycle would evict again until grace ends)
-        leaving = sum(r.gpu_milli for r in self.snap.running if r.preempting)
+        # jobs already preempting are on their way out for whoever waits: their share counts as freed,
+        # and their queues no longer hold it (or each cycle would evict again until grace ends)
+        leaving = sum(self.share(r.spec) for r in self.snap.running if r.preempting)
         staying = dict(self.allocated)
         for r in self.snap.running:
             if r.preempting:
-                staying[r.queue] = staying.get(r.queue, 0.0) - r.gpu_milli / MILLI
+                staying[r.queue] = staying.get(r.queue, 0.0) - self.share(r.spec)
         for req in (r if isinstance(r, ReclaimRequest) else ReclaimRequest(*r) for r in requests):
-            need = req.gpus * MILLI
+            need = req.gpus
             credit = min(leaving, need)
             leaving, need = leaving - credit, need - credit
             if need <= 0:
@@ -345,13 +350,13 @@ class Cycle:
             for v in pool:
                 if freed >= need:
                     break
-                gpus = v.gpu_milli / MILLI
+                gpus = self.share(v.spec)
                 if ent is not None and staying.get(v.queue, 0.0) - gpus < ent.get(v.queue, 0.0):
                     continue
                 self.evicted.add(v.job_id)
                 staying[v.queue] = staying.get(v.queue, 0.0) - gpus
                 self.allocated[v.queue] = self.allocated.get(v.queue, 0.0) - gpus
-                freed += v.gpu_milli
+                freed += gpus
                 self.preemptions.append(
                     Preemption(v.job_id, f"reclaimed for queue {req.queue} (queue {v.queue} is over its share)",
                                self.policy.reclaim_grace_s, for_queue=req.queue)

@@ -19,7 +19,7 @@ from services.scheduler.projection import SchedulerProjection
 from services.scheduler.snapshot import snapshot_from_cluster
 from shared import events as ev
 from shared.cluster import ACTIVE
-from shared.fairshare import leaves, reclaim_requests
+from shared.fairshare import job_share, leaves, reclaim_requests
 from shared.eventlog import ConcurrencyConflict
 from shared.events import Envelope
 from shared.leadership import Leadership
@@ -189,9 +189,10 @@ def decide(proj: SchedulerProjection, policy: Policy, now: float, half_life_s: f
     # reclaim only for work that has waited a while: ordinary churn often frees the GPUs first, without evicting anyone
     alloc, waiting = proj.queue_load(waited_before=now - reclaim_after_s)
     smallest: dict[str, float] = {}
+    ratios = proj.share_ratios()
     for job in proj.jobs.values():
         if job.state == "queued":
-            smallest[job.spec.queue] = min(smallest.get(job.spec.queue, float("inf")), job.gpu_milli_total / 1000)
+            smallest[job.spec.queue] = min(smallest.get(job.spec.queue, float("inf")), job_share(job.spec, ratios))
     reclaims = reclaim_requests(queues, alloc, waiting, leaf_ent, smallest)
     policy = replace(
         policy,

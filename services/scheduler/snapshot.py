@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared.events import TaskPlacement
+from shared.fairshare import Ratios
 from shared.model import MILLI, PRIORITY_RANK, JobSpec
 
 if TYPE_CHECKING:  # shared.cluster pulls in the runtime (NATS, FastAPI); a pure core only reads its shape
@@ -113,8 +114,9 @@ class Snapshot:
     nodes: tuple[NodeSnap, ...] = ()
     pending: tuple[PendingJob, ...] = ()
     running: tuple[RunningJob, ...] = ()
-    entitlements: Mapping[str, float] | None = None  # GPUs per queue, from quota; None: order queues by name
+    entitlements: Mapping[str, float] | None = None  # GPU-equivalents per queue, from quota; None: order queues by name
     taken_at: float = 0.0
+    ratios: Ratios = Ratios()  # CPU and memory per GPU: a job's dominant share in GPU-equivalents (shared.fairshare)
 
 
 def _status(ns: NodeState) -> str:
@@ -191,4 +193,5 @@ def snapshot_from_cluster(
             )
     pending.sort(key=lambda j: (j.submitted_at, j.job_id))
     running.sort(key=lambda j: j.job_id)
-    return Snapshot(nodes, tuple(pending), tuple(running), None if entitlements is None else dict(entitlements), now)
+    return Snapshot(nodes, tuple(pending), tuple(running), None if entitlements is None else dict(entitlements), now,
+                    proj.share_ratios())

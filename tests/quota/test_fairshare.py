@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.fairshare import accrue, divide, jain_index, leaves
-from shared.model import GpuAmount, QueueSpec
+from shared.fairshare import Ratios, accrue, divide, dominant_gpus, jain_index, job_share, leaves
+from shared.model import GpuAmount, JobSpec, QueueSpec, TaskResources
 
 
 def q(guaranteed: float = 0, limit: float | None = None, weight: float = 1) -> QueueSpec:
@@ -174,3 +174,35 @@ def test_a_leaf_inherits_its_parents_reclaim_priority():
     assert effective_priority(queues, "production.inference") == 2
     assert effective_priority(queues, "research.nlp") == 1
     assert effective_priority(queues, "exploration") == 0
+
+
+# --- dominant resource (DRF) -------------------------------------------------------------------
+
+R = Ratios.of(16, 64_000, 1_024_000)  # 16 GPUs, 64 CPUs, 1 TiB: 4 CPUs and 64 GiB per GPU
+
+
+@pytest.mark.parametrize("gpus, cpu, mem, expected", [
+    (4, 0, 0, 4),  # GPUs and nothing else: its GPUs
+    (4, 16_000, 256_000, 4),  # CPU and memory in proportion: still its GPUs
+    (1, 32_000, 0, 8),  # half the CPUs: half the GPUs' worth
+    (0, 8_000, 0, 2),  # a CPU-only job counts too
+    (1, 0, 512_000, 8),  # half the memory
+])
+def test_a_demand_counts_its_largest_share_of_any_resource_in_gpu_equivalents(gpus, cpu, mem, expected):
+    assert dominant_gpus(gpus, cpu, mem, R) == pytest.approx(expected)
+
+
+def test_a_jobs_share_counts_all_its_tasks_and_a_cluster_without_cpu_figures_counts_gpus_only():
+    spec = JobSpec(name="j", tasks=2, resources=TaskResources(gpus=1, cpu_milli=16_000))
+    assert job_share(spec, R) == pytest.approx(8)  # 32 CPUs of 64
+    assert job_share(spec, Ratios.of(16, 0, 0)) == pytest.approx(2)
+    assert job_share(spec, Ratios.of(0, 64_000, 0)) == pytest.approx(2), "no GPUs: nothing to convert to"
+
+
+def test_two_queues_with_equal_weights_get_equal_dominant_shares():
+    # "cpu" wants 16 jobs of 1 GPU + 8 CPUs (each 2 GPU-equivalents), "gpu" wants 16 GPUs: split 8:8 in
+    # GPU-equivalents, so "cpu" runs 4 jobs (4 GPUs, 32 CPUs: half the CPUs) and "gpu" 8 GPUs
+    cpu_job = job_share(JobSpec(name="c", resources=TaskResources(gpus=1, cpu_milli=8_000)), R)
+    d = divide(16, {"cpu": q(), "gpu": q()}, {"cpu": 16 * cpu_job, "gpu": 16.0})
+    assert d.entitlement["cpu"] == pytest.approx(8) and d.entitlement["gpu"] == pytest.approx(8)
+    assert d.entitlement["cpu"] / cpu_job == pytest.approx(4)

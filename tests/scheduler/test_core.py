@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.core import Plan, Policy, ReclaimRequest, reclaim, run_cycle
+from services.scheduler.core import Cycle, Plan, Policy, ReclaimRequest, reclaim, run_cycle
 from services.scheduler.fragmentation import TypicalShape, fgd_score, typical_shapes
 from services.scheduler.placement import NodeFree, NodeScorer, PodShape, choose_node, take
 from shared.cluster import JobRecord
@@ -314,6 +314,21 @@ def test_the_queue_furthest_below_its_entitlement_goes_first() -> None:
     plan = run_cycle(c.snapshot(entitlements={"rich": 1, "poor": 1}), Policy(backfill=False))
 
     assert set(plan.placements) == {"p"}
+
+
+def test_queues_are_ordered_by_dominant_share_so_a_cpu_heavy_queue_counts_its_cpus() -> None:
+    # 16 GPUs and 64 CPUs: 4 CPUs per GPU. "cpu" holds 1 GPU and 32 CPUs (half the cluster: 8 GPU-equivalents),
+    # "gpu" holds 4 GPUs; by GPUs alone "cpu" would look further below an equal entitlement and go first
+    c = cluster(node("n1").gpus(8).cpu(32_000), node("n2").gpus(8).cpu(32_000))
+    c.running(job("heavy").gpus(1).cpu(32_000).queue("cpu").build(), on=[("n1", [0])])
+    c.running(job("four").gpus(4).queue("gpu").build(), on=[("n2", [0, 1, 2, 3])])
+    c.pending(job("c").gpus(1).queue("cpu").build(), "c", at=1)
+    c.pending(job("g").gpus(1).queue("gpu").build(), "g", at=2)
+    snap = c.snapshot(entitlements={"cpu": 8, "gpu": 8})
+    engine = Cycle(snap, Policy(backfill=False), 0.0)
+
+    assert engine.allocated == {"cpu": 8.0, "gpu": 4.0}
+    assert [j.job_id for j in engine.order()] == ["g", "c"]
 
 
 # --- backfill ------------------------------------------------------------------------------

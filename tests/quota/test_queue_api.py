@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from shared import events as ev
 from shared.eventlog import EventLog
-from tests.builders import job
-from tests.support import in_process_stack
+from shared.events import Envelope
+from tests.builders import job, node
+from tests.support import in_process_stack, until
 
 
 async def test_the_queue_tree_refuses_bad_definitions_with_reasons(eventlog: EventLog):
@@ -37,3 +39,20 @@ async def test_the_queue_tree_refuses_bad_definitions_with_reasons(eventlog: Eve
         assert {"entitlement", "fair_share", "usage", "allocated", "pending"} <= set(rows["research"])
         usage = (await client.get("/v1/usage", params={"by": "queue"})).json()
         assert "queues" in usage
+
+
+async def test_the_queue_api_counts_a_cpu_heavy_job_by_its_dominant_share(eventlog: EventLog):
+    async with in_process_stack(eventlog) as (client, _):
+        # 4 GPUs and 16 CPUs: a job asking 1 GPU and 8 CPUs takes half the CPUs, 2 GPUs' worth
+        await eventlog.append_many([Envelope(ev.NodeRegistered(node_id="n1", node=node("n1").gpus(4).cpu(16_000).build()))])
+        assert (await client.put("/v1/queues/research", json={"guaranteed": {"gpus": 2}})).status_code == 200
+        spec = job("heavy").gpus(1).cpu(8_000).queue("research").build()
+        assert (await client.post("/v1/jobs", json=spec.model_dump(mode="json"))).status_code == 201
+
+        async def counted():
+            row = {q["path"]: q for q in (await client.get("/v1/queues")).json()}["research"]
+            gpus = row["allocated"]["gpus"] + row["pending"]["gpus"]
+            dominant = row["allocated"]["dominant_gpus"] + row["pending"]["dominant_gpus"]
+            return (gpus, dominant) if dominant else None
+
+        assert await until(counted, 10, "the job to be counted") == (1, 2)

@@ -336,7 +336,8 @@ def nodes(url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
 
 @app.command()
 def queues(url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
-    """List queues, like sshare."""
+    """List queues, like sshare. ALLOCATED and PENDING in GPUs, with (GPU-equivalents) where a queue's CPU or
+    memory share is the larger: fair share counts those (dominant resource)."""
     from rich.table import Table
 
     rows = api("GET", url, "/v1/queues")
@@ -346,11 +347,16 @@ def queues(url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
     table = Table(box=None, header_style="bold")
     for col in ("QUEUE", "GUARANTEED", "LIMIT", "WEIGHT", "ALLOCATED", "PENDING", "ENTITLED", "FAIRSHARE", "USAGE(GPUh)"):
         table.add_column(col)
+    def amount(a: dict) -> str:
+        """GPUs, and the GPU-equivalents fair share counts when CPU or memory is the larger share."""
+        dom = a.get("dominant_gpus", a["gpus"])
+        return f"{a['gpus']:g}" + (f" ({dom:g})" if abs(dom - a["gpus"]) > 1e-3 else "")
+
     for q in rows:
         depth = q["path"].count(".")
         table.add_row("  " * depth + q["path"].rsplit(".", 1)[-1], f"{q['guaranteed']['gpus']:g}",
                       "-" if q["limit"] is None else f"{q['limit']['gpus']:g}", f"{q['weight']:g}",
-                      f"{q['allocated']['gpus']:g}", f"{q['pending']['gpus']:g}", f"{q['entitlement']['gpus']:g}",
+                      amount(q["allocated"]), amount(q["pending"]), f"{q['entitlement']['gpus']:g}",
                       f"{q['fair_share']['gpus']:g}", f"{q['usage']['gpu_hours_decayed']:g}")
     console.print(table)
 

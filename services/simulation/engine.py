@@ -133,7 +133,7 @@ class SimResult:
         }
 
     def gpu_seconds(self, a: float = -math.inf, b: float = math.inf, field: str = "allocated") -> float:
-        """Allocated GPU milli integrated over [a, b] (the samples are a step function)."""
+        """A sample field (GPU milli allocated, by default) integrated over [a, b] (the samples are a step function)."""
         total = 0.0
         for s, nxt in zip(self.samples, self.samples[1:]):
             lo, hi = max(s.t, a), min(nxt.t, b)

@@ -321,8 +321,13 @@ class Cycle:
         """Free GPU-equivalents for queues below their entitlement by evicting other queues' gangs.
 
         Victims come from queues above their entitlement (any other queue without
-        entitlements), lowest priority and cheapest first, never pushing a queue
-        below its entitlement.
+        entitlements), lowest queue priority first, never pushing a queue below its
+        entitlement. For a queue with jobs waiting in this cycle, reclaim is for
+        those jobs: per job, in order, the cheapest gangs whose eviction lets it fit
+        (as priority preemption), widening from the lowest-priority queues; evictions
+        that would not let any of its jobs fit are not made (they would only churn).
+        Without waiting jobs in view (``reclaim()`` alone), the cheapest gangs up to
+        the amount owed.
         """
         ent = self.snap.entitlements
         # jobs already preempting are on their way out for whoever waits: their share counts as freed,
@@ -332,6 +337,7 @@ class Cycle:
         for r in self.snap.running:
             if r.preempting:
                 staying[r.queue] = staying.get(r.queue, 0.0) - self.share(r.spec)
+        search: VictimSearch | None = None
         for req in (r if isinstance(r, ReclaimRequest) else ReclaimRequest(*r) for r in requests):
             need = req.gpus
             credit = min(leaving, need)
@@ -346,21 +352,61 @@ class Cycle:
             ]
             qprio = self.policy.queue_priority
             pool.sort(key=lambda r: (qprio.get(r.queue, 0), r.priority_rank, lost_gpu_seconds(r, self.now), r.job_id))
-            freed = 0.0
-            for v in pool:
-                if freed >= need:
+            waiting = [(j, mode) for j, mode in self.waiting if j.queue == req.queue]
+            if not waiting:
+                for v in pool:
+                    if need <= 0:
+                        break
+                    if self._within_budget([v], staying):
+                        need -= self._evict_for(req.queue, [v], staying)
+                continue
+            search = search or VictimSearch(self.ws, self.now)
+            failed: set[tuple] = set()
+            for job, mode in waiting[: self.policy.max_preemptors]:
+                memo = (self.sid(job), job.spec.topology, job.spec.tasks, mode)
+                if need <= 0:
                     break
-                gpus = self.share(v.spec)
-                if ent is not None and staying.get(v.queue, 0.0) - gpus < ent.get(v.queue, 0.0):
+                if memo in failed or not self.ever_fits(job):
                     continue
-                self.evicted.add(v.job_id)
-                staying[v.queue] = staying.get(v.queue, 0.0) - gpus
-                self.allocated[v.queue] = self.allocated.get(v.queue, 0.0) - gpus
-                freed += gpus
-                self.preemptions.append(
-                    Preemption(v.job_id, f"reclaimed for queue {req.queue} (queue {v.queue} is over its share)",
-                               self.policy.reclaim_grace_s, for_queue=req.queue)
-                )
+                victims = None
+                for tier in sorted({qprio.get(v.queue, 0) for v in pool}):  # lowest-priority queues first
+                    left = [v for v in pool if v.job_id not in self.evicted and qprio.get(v.queue, 0) <= tier]
+                    victims = search.cheapest(job, left, mode, accept=lambda vs: self._within_budget(vs, staying))
+                    if victims:
+                        break
+                if not victims:
+                    failed.add(memo)
+                    continue
+                self._evict_for(req.queue, victims, staying)
+                need -= self.share(job.spec)
+                names = ", ".join(v.job_id for v in victims)
+                self.unschedulable[job.job_id] = (f"waiting for {names} to leave: reclaimed for queue {req.queue} "
+                                                  f"(grace {self.policy.reclaim_grace_s} s)")
+
+    def _within_budget(self, victims: Sequence[RunningJob], staying: dict[str, float]) -> bool:
+        """Evicting these leaves every victim's queue at or above its entitlement."""
+        ent = self.snap.entitlements
+        if ent is None:
+            return True
+        taken: dict[str, float] = {}
+        for v in victims:
+            taken[v.queue] = taken.get(v.queue, 0.0) + self.share(v.spec)
+        return all(staying.get(q, 0.0) - t >= ent.get(q, 0.0) - 1e-9 for q, t in taken.items())
+
+    def _evict_for(self, queue: str, victims: Sequence[RunningJob], staying: dict[str, float]) -> float:
+        """Record the reclaim of these gangs for ``queue``; the GPU-equivalents freed."""
+        freed = 0.0
+        for v in victims:
+            gpus = self.share(v.spec)
+            self.evicted.add(v.job_id)
+            staying[v.queue] = staying.get(v.queue, 0.0) - gpus
+            self.allocated[v.queue] = self.allocated.get(v.queue, 0.0) - gpus
+            freed += gpus
+            self.preemptions.append(
+                Preemption(v.job_id, f"reclaimed for queue {queue} (queue {v.queue} is over its share)",
+                           self.policy.reclaim_grace_s, for_queue=queue)
+            )
+        return freed
 
     def plan(self) -> Plan:
         return Plan(self.policy.name, self.placements, tuple(self.preemptions), self.unschedulable, self.reservation)

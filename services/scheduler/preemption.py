@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from services.scheduler.gang import capacity, place_gang
 from services.scheduler.snapshot import PendingJob, RunningJob
@@ -38,7 +38,8 @@ class VictimSearch:
         self.ws.undo(undo)
         return ok
 
-    def cheapest(self, job: PendingJob, pool: Sequence[RunningJob], mode: str = NOW) -> list[RunningJob] | None:
+    def cheapest(self, job: PendingJob, pool: Sequence[RunningJob], mode: str = NOW,
+                 accept: Callable[[Sequence[RunningJob]], bool] | None = None) -> list[RunningJob] | None:
         """Fewest GPU-seconds lost, then fewest jobs; None if no eviction in the pool makes room.
 
         A gang that must (or will) sit on one node is a per-node question, answered
@@ -48,7 +49,8 @@ class VictimSearch:
         placed in a later cycle, once the victims are gone.
 
         ``mode`` is what the job may use (LONG: not what a reservation holds); a job
-        that fits without evictions is not a preemptor.
+        that fits without evictions is not a preemptor. ``accept``: a last say on the
+        chosen set before it is claimed (reclaim's per-queue budgets).
         """
         spec = job.spec
         sid = self.ws.shape_id(TaskShape.of(spec))
@@ -62,7 +64,7 @@ class VictimSearch:
             chosen = self._on_one_node(sid, tasks, ranked, cost)
         else:
             chosen = self._anywhere(sid, tasks, topo, ranked, cost)
-        if chosen is None:
+        if chosen is None or (accept is not None and not accept(chosen)):
             return None
         undo = [u for v in chosen for u in self.ws.give(self.footprint(v))]
         if place_gang(self.ws, sid, tasks, topo, mode) is None:

@@ -494,6 +494,24 @@ def test_reclaim_evicts_gangs_of_queues_over_their_entitlement() -> None:
     assert reclaim(c.snapshot(now=100, entitlements={"owner": 6, "borrower": 2}), [("owner", 4)], now=100) == plan.preemptions
 
 
+def test_reclaim_frees_room_the_waiting_job_can_use_not_the_cheapest_gpus_scattered() -> None:
+    # two full nodes of borrowed 1-GPU jobs, on each 4 young (cheap) and 4 old; the owner waits with an 8-GPU job:
+    # the 8 cheapest are spread over both nodes and would let nothing start; a whole node is what it needs
+    c = cluster(node("n1").gpus(8), node("n2").gpus(8))
+    for n in ("n1", "n2"):
+        for g in range(8):
+            c.running(job(f"{n}-{g}").gpus(1).queue("borrower").build(), on=[(n, [g])], job_id=f"{n}-{g}",
+                      started_at=90 if g < 4 else 0)
+    c.pending(job("big").gpus(8).queue("owner").build(), "big")
+
+    plan = run_cycle(c.snapshot(now=100, entitlements={"owner": 8, "borrower": 8}), Policy(preempt=False), now=100,
+                     reclaims=[ReclaimRequest("owner", 8)])
+
+    victims = sorted(p.job_id for p in plan.preemptions)
+    assert len(victims) == 8 and len({v.split("-")[0] for v in victims}) == 1, f"one whole node, not {victims}"
+    assert "reclaimed for queue owner" in plan.unschedulable["big"]
+
+
 # --- determinism and policies ----------------------------------------------------------
 
 

@@ -77,9 +77,10 @@ def dominant_gpus(gpus: float, cpu_milli: float, memory_mib: float, r: Ratios) -
 
 
 def job_share(spec: JobSpec, r: Ratios) -> float:
-    """A job's demand, all its tasks, in GPU-equivalents."""
+    """A job's demand, all its tasks, in GPU-equivalents; a MIG slice counts its compute sevenths (3g.40gb: 3/7)."""
     res, n = spec.resources, spec.tasks
-    return dominant_gpus(spec.gpu_milli * n / MILLI, res.cpu_milli * n, res.memory_mib * n, r)
+    gpus = spec.gpu_milli / MILLI if not spec.gpu.mig else (res.gpus or 1) * int(spec.gpu.mig.split("g.")[0]) / 7
+    return dominant_gpus(gpus * n, res.cpu_milli * n, res.memory_mib * n, r)
 
 
 @dataclass(frozen=True)

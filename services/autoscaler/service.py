@@ -21,6 +21,7 @@ from services.scheduler.snapshot import node_snap, snapshot_from_cluster
 from shared import events as ev
 from shared.cluster import ACTIVE, PENDING, NodeState
 from shared.events import Envelope, new_id
+from shared.fairshare import job_share
 from shared.leadership import Leadership
 from shared.model import JobSpec
 from shared.profiles import build as build_profile
@@ -112,7 +113,7 @@ class Autoscaler:
         spec = self.proj.queues.get(queue)
         if spec is None or spec.limit is None:
             return False
-        return alloc.get(queue, 0.0) + job.spec.gpu_milli * job.spec.tasks / 1000 > spec.limit.gpus
+        return alloc.get(queue, 0.0) + job_share(job.spec, self.proj.share_ratios()) > spec.limit.gpus
 
     async def grow(self, pool: str, k: int) -> None:
         seq = await self.emit(ev.PoolScaleRequested(pool=pool, delta=k, reason="waiting gangs need nodes"))

@@ -65,6 +65,8 @@ class Cycle:
         self.unschedulable: dict[str, str] = {}
         self.reservation: Reservation | None = None
         self.evicted: set[str] = set()
+        self.preemptors: set[str] = set()  # waiting jobs that got victims from priority preemption this cycle
+        self.planned = False  # allocate ran: self.waiting holds every job left waiting
         self.waiting: list[tuple[PendingJob, str]] = []  # not placed, in the order tried, with what they may use
         self.ends: list[tuple[float, str, Footprint]] = []  # jobs placed this cycle: when they free up
         self.allocated: dict[str, float] = {}  # per queue, in GPU-equivalents of the dominant resource
@@ -304,6 +306,7 @@ class Cycle:
             if victims is None:
                 failed.add(memo)
                 continue
+            self.preemptors.add(job.job_id)
             for v in victims:
                 self.evicted.add(v.job_id)
                 self.preemptions.append(
@@ -335,7 +338,7 @@ class Cycle:
         leaving = sum(self.share(r.spec) for r in self.snap.running if r.preempting)
         staying = dict(self.allocated)
         for r in self.snap.running:
-            if r.preempting:
+            if r.preempting or r.job_id in self.evicted:  # evicted by priority preemption this cycle: leaving too
                 staying[r.queue] = staying.get(r.queue, 0.0) - self.share(r.spec)
         search: VictimSearch | None = None
         for req in (r if isinstance(r, ReclaimRequest) else ReclaimRequest(*r) for r in requests):
@@ -352,8 +355,7 @@ class Cycle:
             ]
             qprio = self.policy.queue_priority
             pool.sort(key=lambda r: (qprio.get(r.queue, 0), r.priority_rank, lost_gpu_seconds(r, self.now), r.job_id))
-            waiting = [(j, mode) for j, mode in self.waiting if j.queue == req.queue]
-            if not waiting:
+            if not self.planned:  # reclaim() alone: no waiting jobs in view, the cheapest gangs up to the amount
                 for v in pool:
                     if need <= 0:
                         break
@@ -362,26 +364,56 @@ class Cycle:
                 continue
             search = search or VictimSearch(self.ws, self.now)
             failed: set[tuple] = set()
-            for job, mode in waiting[: self.policy.max_preemptors]:
-                memo = (self.sid(job), job.spec.topology, job.spec.tasks, mode)
-                if need <= 0:
-                    break
-                if memo in failed or not self.ever_fits(job):
+            tries = 0
+            for job, mode in [(j, m) for j, m in self.waiting if j.queue == req.queue]:
+                size = self.share(job.spec)
+                if job.job_id in self.preemptors:  # room is already being made for it
+                    need -= size
                     continue
-                victims = None
-                for tier in sorted({qprio.get(v.queue, 0) for v in pool}):  # lowest-priority queues first
-                    left = [v for v in pool if v.job_id not in self.evicted and qprio.get(v.queue, 0) <= tier]
-                    victims = search.cheapest(job, left, mode, accept=lambda vs: self._within_budget(vs, staying))
-                    if victims:
-                        break
-                if not victims:
+                memo = (self.sid(job), job.spec.topology, job.spec.tasks, mode)
+                if need <= 1e-9 or tries >= self.policy.max_preemptors:
+                    break
+                if size > need + 1e-9 or memo in failed or not self.ever_fits(job):
+                    continue  # more than the queue is owed would lift it above its share: churn back
+                tries += 1
+                victims = self._reclaim_victims(job, mode, pool, staying, search)
+                if victims is None:
                     failed.add(memo)
                     continue
                 self._evict_for(req.queue, victims, staying)
-                need -= self.share(job.spec)
+                need -= size
                 names = ", ".join(v.job_id for v in victims)
                 self.unschedulable[job.job_id] = (f"waiting for {names} to leave: reclaimed for queue {req.queue} "
                                                   f"(grace {self.policy.reclaim_grace_s} s)")
+
+    def _reclaim_victims(self, job: PendingJob, mode: str, pool: Sequence[RunningJob], staying: dict[str, float],
+                         search: VictimSearch) -> list[RunningJob] | None:
+        """The cheapest gangs whose eviction lets ``job`` fit, from the lowest-priority queues first, within
+        every victim queue's budget above its entitlement (a set over budget is searched again without the
+        gangs of the queues it would overdraw)."""
+        qprio = self.policy.queue_priority
+        for tier in sorted({qprio.get(v.queue, 0) for v in pool}):
+            left = [v for v in pool if v.job_id not in self.evicted and qprio.get(v.queue, 0) <= tier
+                    and self._within_budget([v], staying)]
+            for _ in range(4):
+                refused: list[RunningJob] = []
+
+                def accept(vs: Sequence[RunningJob]) -> bool:
+                    ok = self._within_budget(vs, staying)
+                    if not ok:
+                        refused.extend(vs)
+                    return ok
+
+                victims = search.cheapest(job, left, mode, accept=accept)
+                if victims:
+                    return victims
+                if not refused:
+                    break
+                over = {q for q in {v.queue for v in refused} if not self._within_budget(
+                    [v for v in refused if v.queue == q], staying)}
+                drop = {v.job_id for v in refused if v.queue in over}
+                left = [v for v in left if v.job_id not in drop]
+        return None
 
     def _within_budget(self, victims: Sequence[RunningJob], staying: dict[str, float]) -> bool:
         """Evicting these leaves every victim's queue at or above its entitlement."""
@@ -433,6 +465,7 @@ def run_cycle(
     """
     cycle = Cycle(snapshot, policy or Policy(), now)
     jobs = cycle.order()
+    cycle.planned = True
     cycle.allocate(jobs)
     cycle.backfill(jobs)
     cycle.preempt()

@@ -261,6 +261,7 @@ class Simulation:
         job = self.proj.jobs.get(job_id)
         held = _held(job)
         began = None if job is None else job.started_at if self.health is not None else job.placed_at  # its tasks ran since
+        died = min((self.dead[p.node_id] for p in job.placements if p.node_id in self.dead), default=t) if job else t
         seq = self._fold(event, t, source)
         job = self.proj.jobs[job_id]
         holds = _held(job)
@@ -277,7 +278,7 @@ class Simulation:
             if job.state in TERMINAL:
                 out.ended = t
             if job.state not in ("succeeded", "cancelled") and began is not None:
-                ran = t - began
+                ran = max(0.0, min(t, died) - began)  # a dead node's tasks stopped when it died
                 kept = math.floor(ran / self.checkpoint_s) * self.checkpoint_s if self.checkpoint_s else 0.0
                 out.saved_s += kept
                 out.interrupted_gpu_s += held / MILLI * (ran - kept)
@@ -409,7 +410,6 @@ class Simulation:
     def _fault(self, t: float, node_id: str, uuid: str, xid: int | None, repair_s: float | None) -> bool:
         assert self.health is not None
         self.injected[f"xid {xid}" if xid is not None else "node lost"] += 1
-        self.last_fault[node_id] = t
         if xid is None:
             if node_id in self.dead:
                 return False
@@ -417,14 +417,19 @@ class Simulation:
             self._nodes_changed()
             self._push(t + self.health.heartbeat_timeout_s + self.tick, SILENT, node_id)
             if repair_s is not None:  # back no sooner than it is found lost: its jobs are requeued first
-                self._push(t + max(repair_s, self.health.heartbeat_timeout_s + 2 * self.tick), REPAIR, node_id, round(t * 1000))
+                self._repair_at(node_id, t, max(repair_s, self.health.heartbeat_timeout_s + 2 * self.tick))
             return False  # nobody knows yet
         if repair_s is not None:
-            self._push(t + repair_s, REPAIR, node_id, round(t * 1000))
+            self._repair_at(node_id, t, repair_s)
         fault = rules.xid_fault(node_id, uuid, xid, t)
         if fault is None:
             return False
         return self._decide(decisions.mark(self.proj, fault, self.health), t) | self._round(t)
+
+    def _repair_at(self, node_id: str, t: float, after_s: float) -> None:
+        """A repair answers the node's last fault that asked for one: an earlier repair then does nothing."""
+        self.last_fault[node_id] = t
+        self._push(t + after_s, REPAIR, node_id, round(t * 1000))
 
     def _repair(self, t: float, node_id: str, fault_ms: int) -> bool:
         """The node is back (its agent registers again) and an operator resumes it, unless it faulted again since."""

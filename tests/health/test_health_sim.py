@@ -128,6 +128,14 @@ def test_a_repaired_node_is_resumed_and_takes_work_again():
     assert h["gpu_hours_out_of_service"] == 8.0, "8 GPUs for the hour of the repair"
 
 
+def test_a_later_fault_without_a_repair_of_its_own_does_not_cancel_the_pending_one():
+    jobs = [train(duration=1000)]
+    faults = [FaultEntry(t=100, node="node-000", gpu=0, xid=79, repair_s=600),
+              FaultEntry(t=200, node="node-000", gpu=1, xid=13)]  # an application XID: marks nothing
+    sim, _ = run(jobs, faults, nodes=1)
+    assert sim.outcomes["train"].ended == 100 + 600 + 1000, "resumed at 700 and run again"
+
+
 def test_faults_drawn_at_a_rate_follow_it_and_the_seed():
     # 10 nodes x 8 GPUs for 100 days: 8,000 GPU-days; at 50 per 1,000 GPU-days, 400 faults expected
     jobs = [train("start", gpus=1, duration=1), train("end", gpus=1, duration=1, at=100 * 86400)]

@@ -199,6 +199,11 @@ def test_a_jobs_share_counts_all_its_tasks_and_a_cluster_without_cpu_figures_cou
     assert job_share(spec, Ratios.of(0, 64_000, 0)) == pytest.approx(2), "no GPUs: nothing to convert to"
 
 
+def test_a_mig_slice_counts_its_compute_sevenths():
+    spec = JobSpec(name="m", tasks=2, resources=TaskResources(gpus=1), gpu={"mig": "3g.40gb"})
+    assert job_share(spec, Ratios()) == pytest.approx(6 / 7)
+
+
 def test_two_queues_with_equal_weights_get_equal_dominant_shares():
     # "cpu" wants 16 jobs of 1 GPU + 8 CPUs (each 2 GPU-equivalents), "gpu" wants 16 GPUs: split 8:8 in
     # GPU-equivalents, so "cpu" runs 4 jobs (4 GPUs, 32 CPUs: half the CPUs) and "gpu" 8 GPUs

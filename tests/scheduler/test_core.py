@@ -484,6 +484,8 @@ def test_reclaim_evicts_gangs_of_queues_over_their_entitlement() -> None:
     c.running(job("b1").gpus(4).queue("borrower").build(), on=[("n1", [0, 1, 2, 3])], job_id="b1", started_at=50)
     c.running(job("b2").gpus(2).queue("borrower").build(), on=[("n1", [4, 5])], job_id="b2", started_at=0)
     c.running(job("o1").gpus(2).queue("owner").build(), on=[("n1", [6, 7])], job_id="o1")
+    alone = reclaim(c.snapshot(now=100, entitlements={"owner": 6, "borrower": 2}), [("owner", 4)], now=100)
+    c.pending(job("o2").gpus(4).queue("owner").build(), "o2")
 
     plan = run_cycle(
         c.snapshot(now=100, entitlements={"owner": 6, "borrower": 2}), now=100,
@@ -491,7 +493,53 @@ def test_reclaim_evicts_gangs_of_queues_over_their_entitlement() -> None:
     )
 
     assert [(p.job_id, p.for_queue) for p in plan.preemptions] == [("b1", "owner")]
-    assert reclaim(c.snapshot(now=100, entitlements={"owner": 6, "borrower": 2}), [("owner", 4)], now=100) == plan.preemptions
+    assert alone == plan.preemptions, "alone, by amount: the cheapest gangs up to what is owed"
+
+
+def test_reclaim_never_lifts_the_owed_queue_above_what_it_is_owed_nor_evicts_for_jobs_placed_anyway() -> None:
+    c = cluster(node("n1").gpus(8), node("n2").gpus(8))
+    for g in range(8):
+        c.running(job(f"b{g}").gpus(1).queue("borrower").build(), on=[("n2", [g])], job_id=f"b{g}", started_at=0)
+    c.running(job("o").gpus(2).queue("owner").build(), on=[("n1", [0, 1])], job_id="o")
+    c.pending(job("big").gpus(8).queue("owner").build(), "big", at=1)
+    snap = c.snapshot(now=100, entitlements={"owner": 4, "borrower": 8})
+    # owed 2: the 8-GPU job would take the owner to 10 of its 4, and churn back next cycle
+    assert run_cycle(snap, Policy(preempt=False), 100, [ReclaimRequest("owner", 2)]).preemptions == ()
+    c.pending(job("small").gpus(2).queue("owner").build(), "small", at=2)
+    # 6 GPUs are free on n1: the small job is placed this cycle, nothing needs evicting for it
+    plan = run_cycle(c.snapshot(now=100, entitlements={"owner": 4, "borrower": 8}), Policy(preempt=False), 100,
+                     [ReclaimRequest("owner", 2)])
+    assert "small" in plan.placements and plan.preemptions == ()
+
+
+def test_a_job_that_got_room_by_priority_preemption_gets_no_reclaim_victims_too() -> None:
+    c = cluster(node("n1").gpus(8), node("n2").gpus(8))
+    c.running(job("olow").gpus(8).priority("low").queue("owner").build(), on=[("n1", list(range(8)))], job_id="olow")
+    c.running(job("b").gpus(8).queue("borrower").build(), on=[("n2", list(range(8)))], job_id="b")
+    c.pending(job("hi").gpus(8).priority("high").queue("owner").build(), "hi")
+
+    plan = run_cycle(c.snapshot(now=100, entitlements={"owner": 16, "borrower": 0}), Policy(), 100,
+                     [ReclaimRequest("owner", 8)])
+
+    assert [p.job_id for p in plan.preemptions] == ["olow"]
+    assert "preemption of olow" in plan.unschedulable["hi"]
+
+
+def test_reclaim_looks_past_a_victim_set_that_would_overdraw_a_queue() -> None:
+    # "b" may lose 4 (holds 12, entitled 8): its young 8-GPU gang is the cheapest room but overdraws it;
+    # "c" (entitled 0) and b's older 1-GPU gangs share n2: the owner's 4-GPU job gets room there
+    c = cluster(node("n1").gpus(8), node("n2").gpus(8))
+    c.running(job("b8").gpus(8).queue("b").build(), on=[("n1", list(range(8)))], job_id="b8", started_at=99)
+    for g in range(4):
+        c.running(job(f"b1-{g}").gpus(1).queue("b").build(), on=[("n2", [g])], job_id=f"b1-{g}", started_at=0)
+        c.running(job(f"c-{g}").gpus(1).queue("c").build(), on=[("n2", [4 + g])], job_id=f"c-{g}", started_at=50)
+    c.pending(job("w").gpus(4).queue("owner").build(), "w")
+
+    plan = run_cycle(c.snapshot(now=100, entitlements={"owner": 4, "b": 8, "c": 0}), Policy(preempt=False), 100,
+                     [ReclaimRequest("owner", 4)])
+
+    victims = sorted(p.job_id for p in plan.preemptions)
+    assert victims and "b8" not in victims and len(victims) == 4, victims
 
 
 def test_reclaim_frees_room_the_waiting_job_can_use_not_the_cheapest_gpus_scattered() -> None:

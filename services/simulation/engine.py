@@ -289,8 +289,11 @@ class Simulation:
     def _handle(self, t: float, kind: str, job_id: str, arg: int) -> bool:
         """Fold one due event; True if the scheduler would react to it."""
         if kind == INFRA:
-            self._fold(self.infra[arg][1], t)
+            event = self.infra[arg][1]
+            self._fold(event, t)
             self._nodes_changed()
+            if self.health is not None and isinstance(event, (ev.NodeLost, ev.NodeDrainRequested)):
+                self._round(t)  # health acts on a recorded loss or drain as on its own
             return True
         if kind in HEALTH_KINDS:
             return self._health_event(t, kind, job_id, arg)

@@ -11,6 +11,7 @@ from typer import Typer
 from typer.testing import CliRunner
 
 from services.autoscaler.scaling import PoolSpec
+from shared import events as ev
 from services.health.rules import HealthPolicy
 from services.simulate import simulate
 from services.simulation.autoscaled import AutoscaledSimulation
@@ -105,6 +106,16 @@ def test_a_job_placed_on_a_node_that_died_unnoticed_never_starts_and_is_requeued
     late = sim.outcomes["late"]
     assert late.started == 105 and late.requeues == 1
     assert late.ended == 5000 + 500, "started again when b freed the healthy node"
+
+
+def test_a_recorded_node_loss_requeues_its_jobs_like_a_detected_one():
+    jobs = [train(retries=1)]
+    bad = first_node(jobs)
+    sim = Simulation(uniform_cluster(2), jobs, live_policy("fgd+"), health=POLICY,
+                     infra=[(100.0, ev.NodeLost(node_id=bad, reason="recorded"))], start=0.0)
+    sim.run()
+    out = sim.outcomes["train"]
+    assert out.requeues == 1 and out.ended == 100 + 1000 and nodes_of(sim, "train") != {bad}
 
 
 def test_a_job_past_its_time_limit_is_stopped_and_its_gpus_go_to_the_next_job():

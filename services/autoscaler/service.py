@@ -21,7 +21,7 @@ from services.scheduler.snapshot import node_snap, snapshot_from_cluster
 from shared import events as ev
 from shared.cluster import ACTIVE, PENDING, NodeState
 from shared.events import Envelope, new_id
-from shared.fairshare import job_share
+from shared.fairshare import Ratios, job_share
 from shared.leadership import Leadership
 from shared.model import JobSpec
 from shared.profiles import build as build_profile
@@ -97,7 +97,7 @@ class Autoscaler:
         )
         snap = replace(snap, nodes=snap.nodes + coming)
         alloc, _ = proj.queue_load()
-        waiting = [j for j in snap.pending if proj.jobs[j.job_id].reason and not self._at_limit(j.queue, j, alloc)]
+        waiting = [j for j in snap.pending if proj.jobs[j.job_id].reason and not self._at_limit(j.queue, j, alloc, snap.ratios)]
         plan = scale_up(snap, pools, waiting, build_profile)
         for p in pools:  # the floor
             plan[p.spec.name] = max(plan.get(p.spec.name, 0), p.spec.min_nodes - p.size)
@@ -109,11 +109,11 @@ class Autoscaler:
             for node_id in nodes:
                 await self.shrink(pool, node_id)
 
-    def _at_limit(self, queue: str, job, alloc: dict[str, float]) -> bool:
+    def _at_limit(self, queue: str, job, alloc: dict[str, float], ratios: Ratios) -> bool:
         spec = self.proj.queues.get(queue)
         if spec is None or spec.limit is None:
             return False
-        return alloc.get(queue, 0.0) + job_share(job.spec, self.proj.share_ratios()) > spec.limit.gpus
+        return alloc.get(queue, 0.0) + job_share(job.spec, ratios) > spec.limit.gpus
 
     async def grow(self, pool: str, k: int) -> None:
         seq = await self.emit(ev.PoolScaleRequested(pool=pool, delta=k, reason="waiting gangs need nodes"))

@@ -75,3 +75,20 @@ def test_replicas_follow_demand_and_go_to_zero_after_idle():
     for t in range(1, 100):
         n = desired_replicas(spec, n, 0, float(t), h)
     assert n == 0
+
+
+def test_no_node_is_bought_for_a_queue_whose_limit_the_job_would_pass():
+    from services.autoscaler.service import Autoscaler
+    from shared.fairshare import Ratios
+    from shared.model import GpuAmount, QueueSpec
+    from shared.settings import Settings
+
+    scaler = Autoscaler(Settings())
+    scaler.proj.queues["capped"] = QueueSpec(limit=GpuAmount(gpus=8))
+    four = pending_snapshot(job("four").gpus(4).queue("capped").build()).pending[0]
+    heavy = pending_snapshot(job("heavy").gpus(1).cpu(32_000).queue("capped").build()).pending[0]
+    ratios = Ratios.of(16, 64_000, 0)  # 4 CPUs per GPU: 32 CPUs are 8 GPUs' worth
+    assert not scaler._at_limit("capped", four, {"capped": 4.0}, ratios)
+    assert scaler._at_limit("capped", four, {"capped": 5.0}, ratios)
+    assert scaler._at_limit("capped", heavy, {"capped": 1.0}, ratios), "its CPUs count against the limit"
+    assert not scaler._at_limit("uncapped", four, {"uncapped": 100.0}, ratios)

@@ -391,12 +391,13 @@ class ClusterProjection(Projection):
                 cpu, mem = cpu + n.info.cpu_milli, mem + n.info.memory_mib
         return Ratios.of(gpus, cpu, mem)
 
-    def queue_load(self, waited_before: float | None = None) -> tuple[dict[str, float], dict[str, float]]:
-        """(allocated, pending) per leaf queue in GPU-equivalents of the dominant resource (see shared.fairshare);
-        with ``waited_before``, only jobs waiting since then count as pending."""
+    def queue_load(self, waited_before: float | None = None,
+                   ratios: Ratios | None = None) -> tuple[dict[str, float], dict[str, float]]:
+        """(allocated, pending) per leaf queue in GPU-equivalents of the dominant resource (see shared.fairshare;
+        ``ratios=Ratios()``: in GPUs alone); with ``waited_before``, only jobs waiting since then count as pending."""
         alloc: dict[str, float] = {}
         pending: dict[str, float] = {}
-        ratios = self.share_ratios()
+        ratios = self.share_ratios() if ratios is None else ratios
         for job in self.jobs.values():
             gpus = job_share(job.spec, ratios)
             if job.state in ACTIVE:

@@ -9,8 +9,8 @@ from fastapi import APIRouter, HTTPException, Query
 
 from shared import events as ev
 from shared.cluster import ACTIVE, PENDING, ClusterProjection
-from shared.fairshare import children, divide, parent_of
-from shared.model import MILLI, QueueSpec, valid_queue_path
+from shared.fairshare import Ratios, children, divide, parent_of
+from shared.model import QueueSpec, valid_queue_path
 from shared.runtime import Service
 
 
@@ -38,12 +38,7 @@ def router(svc: Service, half_life_s: float) -> APIRouter:
         of the cluster's CPU or memory than of its GPUs."""
         now = time.time()
         alloc, pending = proj.queue_load()
-        gpus_held: dict[str, float] = {}
-        gpus_wanted: dict[str, float] = {}
-        for job in proj.jobs.values():
-            table = gpus_held if job.state in ACTIVE else gpus_wanted if job.state in PENDING else None
-            if table is not None:
-                table[job.spec.queue] = table.get(job.spec.queue, 0.0) + job.gpu_milli_total / MILLI
+        gpus_held, gpus_wanted = proj.queue_load(ratios=Ratios())
         division = proj.division(now, half_life_s)
         # the static share: what each queue would get if every queue wanted everything
         fair = divide(proj.capacity_gpus(), proj.queues, {q: 1e12 for q in proj.queues}).entitlement

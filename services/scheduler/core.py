@@ -175,6 +175,7 @@ class Cycle:
 
     def allocate(self, jobs: Iterator[PendingJob]) -> None:
         """Place jobs in order until one is blocked that can ever fit: it takes a reservation, and backfill goes on."""
+        self.planned = True
         for job in jobs:
             fit = self.try_place(job, NOW)
             if fit is not None:
@@ -465,7 +466,6 @@ def run_cycle(
     """
     cycle = Cycle(snapshot, policy or Policy(), now)
     jobs = cycle.order()
-    cycle.planned = True
     cycle.allocate(jobs)
     cycle.backfill(jobs)
     cycle.preempt()

@@ -21,12 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from shared.profiles import build
+from services.stack import build_service
 from shared import events as ev
 from shared.eventlog import EventLog
 from shared.events import Envelope, GpuShare, TaskPlacement
 from shared.model import JobSpec, TaskResources
 from shared.natsd import NatsServer, free_port
+from shared.profiles import build
+from shared.settings import Settings
 
 CPU_TARGET_PCT = 2.0
 
@@ -43,6 +45,8 @@ async def count(log: EventLog, type_: str) -> int:
 async def run(tasks: int, idle_s: float, work: Path) -> dict:
     server = NatsServer(work / "nats").start()
     log = await EventLog.connect(server.url)
+    inventory = build_service("inventory", Settings(data_dir=work / "data"))  # appends the agent's reports
+    relaying = asyncio.create_task(inventory.run(log))
     node = build("dgx-h100", "bench-0")
     agent = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "agent", "--backend", "simulated", "--profile", "dgx-h100", "--node-id",
@@ -81,6 +85,8 @@ async def run(tasks: int, idle_s: float, work: Path) -> dict:
             agent.wait(15)
         except subprocess.TimeoutExpired:
             agent.kill()
+        inventory.stop()
+        await relaying
         await log.close()
         server.stop()
 

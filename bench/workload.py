@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 from shared import events as ev
+from shared.cluster import agent_source
 from shared.events import Envelope, GpuShare, TaskPlacement
 from shared.model import GpuInfo, JobSpec, NodeInfo, TaskResources
 
@@ -35,6 +36,7 @@ def workload(n_events: int, n_nodes: int = 8, in_flight: int = 16, source: str =
     """About ``n_events`` envelopes: node registrations, then job lifecycles of 6 events each.
 
     ``in_flight`` jobs run at once (each on its own GPU), so the state always holds running jobs.
+    Every event comes from ``source`` but the task reports, which come from their node's agent.
     Events are a millisecond apart from ``start`` (default: now, so they mix with live services' events).
     """
     t0 = start or datetime.now(UTC)
@@ -43,7 +45,8 @@ def workload(n_events: int, n_nodes: int = 8, in_flight: int = 16, source: str =
     def env(data: ev.Event) -> Envelope:
         nonlocal tick
         tick += 1
-        return Envelope(data, id=f"w-{tick}", source=source, time=t0 + timedelta(milliseconds=tick))
+        by = agent_source(data.node_id) if isinstance(data, (ev.JobTaskStarted, ev.JobTaskExited)) else source
+        return Envelope(data, id=f"w-{tick}", source=by, time=t0 + timedelta(milliseconds=tick))
 
     nodes = [make_node(i) for i in range(n_nodes)]
     for node in nodes:

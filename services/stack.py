@@ -3,6 +3,12 @@
 The one-process stack mounts every router on one FastAPI app. The split stack runs
 each service as ``python -m services.<name>`` on its own port and a gateway on the
 main port that serves the history API and forwards every other path to its owner.
+
+`gpuorch up` stops in order on SIGINT/SIGTERM, caught from its first line: the
+simulated nodes first (their tasks are killed and reported interrupted, so their jobs
+go back to the queue while the services still run), then the services, then the
+nats-server. Its nats-server and agents outlive a SIGKILL; the next `up` adopts them
+(``services.stack_procs``).
 """
 
 from __future__ import annotations
@@ -18,15 +24,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import typer
 from fastapi import Request, Response  # module level: the gateway's handlers are annotated with them
 
+from services.stack_procs import (AGENT_STOP_S, Child, Previous, StackFile, adopt_or_spawn_agents, agent_node,
+                                  child_env, durable_of, node_ids, parse_nodes, start_or_adopt_nats, stop_children,
+                                  stop_stale_services, supervise_nats)
 from shared.api_events import events_router
-from shared.eventlog import EventLog
+from shared.api_tokens import tokens_router
+from shared.auth import Authenticator, authenticator_from_settings, ensure_admin_token
+from shared.eventlog import AGENT_STREAM, STREAM, EventLog
+from shared.natsauth import Credentials
 from shared.natsd import NatsServer, free_port, port_open
 from shared.runtime import Metrics, Service, StopSignals, build_app, http_server, run_process, serve_until_signal
 from shared.settings import Settings
@@ -46,6 +59,8 @@ ROUTES: list[tuple[str, str]] = [
     ("/v1/nodes", "inventory"),
 ]
 NODE_ACTIONS = ("/cordon", "/drain", "/resume")
+FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "traceparent", "authorization")
+FORWARDED_RESPONSE_HEADERS = ("www-authenticate", "retry-after")
 
 
 def owner(path: str) -> str | None:
@@ -80,128 +95,209 @@ def data_dir_lock(data_dir: Path) -> Iterator[None]:
         fh.close()
 
 
-@contextlib.contextmanager
-def embedded_nats(settings: Settings) -> Iterator[NatsServer | None]:
-    """The embedded nats-server on the data dir, or None when a NATS URL is configured."""
-    if settings.nats_url:
-        yield None
-        return
-    server = NatsServer(settings.data_dir / "nats", sync_always=settings.sync_always).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def admin_token_path(data_dir: Path) -> Path:
+    return data_dir / "auth" / "admin.token"
 
 
-def write_stack_file(settings: Settings, nats_url: str, split: bool, nats_pid: int | None) -> None:
-    info = {"pid": os.getpid(), "nats_url": nats_url, "nats_pid": nats_pid,
-            "api": f"http://{settings.host}:{settings.port}", "split": split}
-    (settings.data_dir / "stack.json").write_text(json.dumps(info, indent=2))
+async def api_auth(settings: Settings, evlog: EventLog, bootstrap: bool = False) -> Authenticator:
+    """Who may call this process's API. ``bootstrap``: `gpuorch up` keeps an admin token in its data dir
+    (created on first start); GPUORCH_ADMIN_TOKEN registers a given one (compose)."""
+    auth = authenticator_from_settings(settings, evlog)
+    if bootstrap or settings.admin_token:
+        await ensure_admin_token(auth.tokens, admin_token_path(settings.data_dir), settings.admin_token)
+    return auth
 
 
-async def _serve_one_process(settings: Settings, nats_url: str, names: tuple[str, ...]) -> None:
-    signals = StopSignals()  # a Ctrl-C while starting is kept, not lost
-    evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-stack")
+class ProcessSignals:
+    """SIGINT and SIGTERM for the whole life of `gpuorch up`, from its first line and across its phases (nats-server,
+    the log's streams, the agents, serving): a signal at any moment is an orderly stop, never a KeyboardInterrupt.
+    Each asyncio phase gets ``for_loop()``; the second signal forces the stop."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._listeners: list[Callable[[], None]] = []
+
+    def install(self) -> "ProcessSignals":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.count += 1  # no logging here: a handler may run while the logging module holds its lock
+        for listener in list(self._listeners):
+            listener()
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    @property
+    def forced(self) -> bool:
+        return self.count > 1
+
+    def for_loop(self) -> StopSignals:
+        return _LoopSignals(self)
+
+
+class _LoopSignals(StopSignals):
+    """ProcessSignals as the running event loop sees them (shared.runtime.serve_until_signal's interface)."""
+
+    def __init__(self, process: ProcessSignals) -> None:  # no super().__init__(): the process's handlers stay
+        self.requested = asyncio.Event()
+        self.server = None
+        self.loop = asyncio.get_running_loop()
+        self.process = process
+        process._listeners.append(self._wake)
+        if process.requested:
+            self.requested.set()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closing
+            self.loop.call_soon_threadsafe(self.on_signal)
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.process._listeners.remove(self._wake)
+
+
+@dataclass
+class Run:
+    """One `gpuorch up`: what its phases share."""
+
+    settings: Settings
+    nats_url: str
+    signals: ProcessSignals
+    stack_file: StackFile
+    server: NatsServer | None = None
+    agents: dict[str, Child] = field(default_factory=dict)
+    t0: float = field(default_factory=time.monotonic)
+
+    def nats_restarted(self, server: NatsServer) -> None:
+        self.stack_file.write(nats_pid=server.pid)
+
+    async def stop_agents(self, evlog: EventLog, scheduler_durable: str) -> None:
+        """Ctrl-C, first step: the simulated nodes stop while the services run, so each agent's interrupted tasks
+        are reported, relayed and requeued now (what is not, is on the next start)."""
+        live = [a for a in self.agents.values() if a.alive()]
+        if not live:
+            return
+        t0 = time.monotonic()
+        await asyncio.to_thread(stop_children, live, AGENT_STOP_S, lambda: self.signals.forced)
+        settled = await settle(evlog, [(AGENT_STREAM, "inventory-relay"), (STREAM, scheduler_durable)], SETTLE_S)
+        log.info("event=agents_stopped nodes=%d seconds=%.1f reports_settled=%s", len(live), time.monotonic() - t0,
+                 settled)
+
+
+SETTLE_S = 5.0
+
+
+async def settle(evlog: EventLog, durables: list[tuple[str, str]], timeout: float) -> bool:
+    """Until these durable consumers have nothing pending nor unacknowledged, twice in a row (the agents' last
+    reports relayed, and the scheduler's reactions to them appended); False at the deadline."""
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while time.monotonic() < deadline:
+        busy = False
+        for stream, durable in durables:
+            try:
+                info = await evlog.js.consumer_info(stream, durable)
+            except Exception:  # noqa: BLE001 - none yet (nothing to settle), or NATS away (nothing to wait for)
+                continue
+            busy = busy or bool(info.num_pending or info.num_ack_pending)
+        quiet = 0 if busy else quiet + 1
+        if quiet >= 2:
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def _serve_one_process(run: Run, names: tuple[str, ...]) -> None:
+    settings, nats_url = run.settings, run.nats_url
+    signals = run.signals.for_loop()  # a Ctrl-C while starting is kept, not lost
+    evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-stack",
+                                   user=settings.nats_user, password=settings.nats_password)
     metrics = Metrics()
     services = [build_service(n, settings, metrics) for n in names]
+    background = [asyncio.create_task(supervise_nats(run.server, run.nats_restarted))] if run.server else []
+
+    async def ready() -> None:
+        await asyncio.gather(*(s.ready.wait() for s in services))
+        log.info("event=stack_ready seconds=%.2f nodes=%d", time.monotonic() - run.t0, len(run.agents))
 
     def started() -> None:
-        log.info("event=stack_up api=http://%s:%d nats=%s services=%s", settings.host, settings.port, nats_url, ",".join(names))
+        background.append(asyncio.create_task(ready()))
+        log.info("event=stack_up api=http://%s:%d nats=%s services=%s token=%s", settings.host, settings.port, nats_url,
+                 ",".join(names), admin_token_path(settings.data_dir))
+
+    async def before_stop() -> None:
+        await run.stop_agents(evlog, durable_of("scheduler", settings))
 
     try:
-        await run_process(services, evlog, settings.host, settings.port, [events_router(lambda: evlog)], started, signals)
+        auth = await api_auth(settings, evlog, bootstrap=True)
+        await run_process(services, evlog, settings.host, settings.port,
+                          [events_router(lambda: evlog), tokens_router(lambda: evlog)], started, signals, auth=auth,
+                          before_stop=before_stop)
     finally:
+        for t in background:
+            t.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         await evlog.close()
 
 
 def up(settings: Settings, split: bool = False) -> None:
-    """`gpuorch up`: the whole stack until Ctrl-C; a second run on the same data dir resumes its state."""
+    """`gpuorch up`: the whole stack until Ctrl-C; a second run on the same data dir resumes its state, and adopts
+    the nats-server and agents a killed one left running."""
+    signals = ProcessSignals().install()  # first of all: a Ctrl-C from here on stops the stack in order
     setup_logging(settings.log_level)
     setup_tracing("gpuorch")
     if port_open(settings.port, settings.host):
         raise SystemExit(f"error: port {settings.port} is in use; pick another with --port")
     with data_dir_lock(settings.data_dir):
-        stop_stale_nats(settings.data_dir)
-        _up_locked(settings, split)
+        _up_locked(settings, split, signals)
 
 
-def stop_stale_nats(data_dir: Path) -> None:
-    """A stack killed with SIGKILL leaves its nats-server and simulated agents (their own sessions)
-    behind, the server holding the store: stop them before starting again."""
+def _up_locked(settings: Settings, split: bool, signals: ProcessSignals) -> None:
+    t0 = time.monotonic()
+    nodes = parse_nodes(settings.nodes)
+    creds = Credentials.of_data_dir(settings.data_dir)
+    previous = Previous.read(settings.data_dir)
+    stop_stale_services(previous)
+    if not settings.nats_url:  # the embedded server admits only these users: the control plane and our agents
+        control = creds.control()
+        settings = settings.model_copy(update={"nats_user": control.name, "nats_password": control.password})
+        for node_id in node_ids(nodes):
+            creds.agent(node_id)
+    server = None if settings.nats_url else start_or_adopt_nats(settings, creds, previous)
+    nats_url = server.url if server else settings.nats_url or ""
+    run = Run(settings, nats_url, signals, StackFile(settings, nats_url, split), server, t0=t0)
     try:
-        info = json.loads((data_dir / "stack.json").read_text())
-    except (OSError, ValueError):
-        return
-    for pid in [info.get("nats_pid"), *info.get("agent_pids", [])]:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") if pid else ""
-        except OSError:
-            continue
-        if str(data_dir) in cmdline or str(data_dir.resolve()) in cmdline:
-            log.warning("event=stale_process_stopped pid=%s data_dir=%s", pid, data_dir)
-            os.kill(pid, signal.SIGTERM)
-            for _ in range(100):
-                if not Path(f"/proc/{pid}").exists():
-                    break
-                time.sleep(0.1)
-            else:
-                os.kill(pid, signal.SIGKILL)
-
-
-def _up_locked(settings: Settings, split: bool) -> None:
-    with embedded_nats(settings) as server:
-        nats_url = server.url if server else settings.nats_url or ""
-        write_stack_file(settings, nats_url, split, server.proc.pid if server and server.proc else None)
-        agents = spawn_agents(settings, nats_url, parse_nodes(settings.nodes))
-        info = json.loads((settings.data_dir / "stack.json").read_text())
-        (settings.data_dir / "stack.json").write_text(json.dumps({**info, "agent_pids": [a.pid for a in agents]}, indent=2))
-        try:
+        run.stack_file.write(nats_pid=server.pid if server else None)
+        if not signals.requested:
+            asyncio.run(_prepare_log(settings, nats_url))
+        if not signals.requested:
+            run.agents = adopt_or_spawn_agents(settings, nats_url, nodes, creds if server else None, previous)
+            run.stack_file.write(agents={n: a.pid for n, a in run.agents.items()},
+                                 agent_pids=[a.pid for a in run.agents.values()])
+        if not signals.requested:
             if split:
-                _run_split(settings, nats_url)
+                _run_split(run)
             else:
-                asyncio.run(_serve_one_process(settings, nats_url, SERVICES))
-        finally:
-            stop_processes(agents)
-        log.info("event=stack_stopped data_dir=%s", settings.data_dir)
+                asyncio.run(_serve_one_process(run, SERVICES))
+    finally:
+        agents = list(run.agents.values())  # those still running: a crash, or a Ctrl-C before serving
+        if not agents and signals.requested:  # a Ctrl-C before the last stack's agents were adopted: they stop too
+            agents = [Child(pid) for pid in previous.agent_pids if agent_node(pid, settings) is not None]
+        stop_children(agents, AGENT_STOP_S, lambda: signals.forced)
+        if server is not None:
+            server.stop()
+    log.info("event=stack_stopped data_dir=%s", settings.data_dir)
 
 
-# --- simulated nodes ----------------------------------------------------------------
-
-
-def parse_nodes(spec: str) -> list[tuple[str, int]]:
-    """`dgx-h100:2,l4-8x:1` -> [("dgx-h100", 2), ("l4-8x", 1)]; raises SystemExit with the reason."""
-    from shared.profiles import PROFILES
-
-    out = []
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        profile, _, count = item.partition(":")
-        if profile not in PROFILES:
-            raise SystemExit(f"error: unknown node profile {profile!r} in --nodes; known: {', '.join(PROFILES)}")
-        if count and not count.isdigit():
-            raise SystemExit(f"error: --nodes takes profile:count, got {item!r}")
-        out.append((profile, int(count or 1)))
-    return out
-
-
-def spawn_agents(settings: Settings, nats_url: str, nodes: list[tuple[str, int]]) -> list[subprocess.Popen]:
-    """One `gpuorch agent --backend simulated` process per simulated node: real processes run the tasks."""
-    procs, i = [], 0
-    logs = settings.data_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    for profile, count in nodes:
-        for k in range(count):
-            node_id = f"{profile}-{k}"
-            port = free_port()
-            cmd = [sys.executable, "-m", "services.cli", "agent", "--backend", "simulated", "--profile", profile,
-                   "--node-id", node_id, "--nats", nats_url, "--port", str(port), "--host", settings.host,
-                   "--work-dir", str(settings.data_dir / "agents" / node_id), "--rack", f"r{i // 4}", "--zone", "z0",
-                   "--kill-tasks-on-exit"]
-            procs.append(subprocess.Popen(cmd, stdout=open(logs / f"agent-{node_id}.log", "ab"), stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-            i += 1
-    if procs:
-        log.info("event=agents_started nodes=%d", len(procs))
-    return procs
+async def _prepare_log(settings: Settings, nats_url: str) -> None:
+    """Streams and buckets exist before any agent connects: agents may use them but not create them."""
+    evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-stack-setup",
+                                   user=settings.nats_user, password=settings.nats_password)
+    await evlog.close()
 
 
 # --- split mode ---------------------------------------------------------------------
@@ -210,16 +306,20 @@ def spawn_agents(settings: Settings, nats_url: str, nodes: list[tuple[str, int]]
 def spawn_service(name: str, nats_url: str, port: int, settings: Settings, log_dir: Path) -> subprocess.Popen:
     log_dir.mkdir(parents=True, exist_ok=True)
     out = open(log_dir / f"{name}.log", "ab")
+    bus = {"GPUORCH_NATS_USER": settings.nats_user, "GPUORCH_NATS_PASSWORD": settings.nats_password} \
+        if settings.nats_user and settings.nats_password else {}
     return subprocess.Popen(
         [sys.executable, "-m", f"services.{name}", "--nats", nats_url, "--port", str(port), "--host", settings.host,
-         "--snapshot-every", str(settings.snapshot_every)],
+         "--snapshot-every", str(settings.snapshot_every), "--replicas", str(settings.replicas)],
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env=child_env({**bus, "GPUORCH_DATA_DIR": str(settings.data_dir)}),
     )
 
 
-def _run_split(settings: Settings, nats_url: str) -> None:
+def _run_split(run: Run) -> None:
+    settings, nats_url = run.settings, run.nats_url
     ports = {name: free_port() for name in SERVICES}
     procs = {name: spawn_service(name, nats_url, ports[name], settings, settings.data_dir / "logs") for name in SERVICES}
     (settings.data_dir / "split.json").write_text(
@@ -227,22 +327,31 @@ def _run_split(settings: Settings, nats_url: str) -> None:
     )
     try:
         upstreams = {name: f"http://{settings.host}:{port}" for name, port in ports.items()}
-        asyncio.run(serve_gateway(settings, nats_url, upstreams, _supervise(settings, nats_url, ports, procs)))
+        asyncio.run(serve_gateway(settings, nats_url, upstreams, _supervise(run, ports, procs), run.signals,
+                                  lambda evlog: run.stop_agents(evlog, durable_of("scheduler", settings))))
     finally:
         stop_processes(procs.values())
 
 
-async def _supervise(settings: Settings, nats_url: str, ports: dict[str, int], procs: dict[str, subprocess.Popen]) -> None:
-    """Restart a service process that died (crash, OOM kill, SIGKILL): it rebuilds its state from the log."""
-    while True:
-        await asyncio.sleep(0.5)
-        for name, proc in list(procs.items()):
-            if proc.poll() is not None:
-                log.warning("event=service_died service=%s pid=%d code=%s action=restart", name, proc.pid, proc.returncode)
-                procs[name] = spawn_service(name, nats_url, ports[name], settings, settings.data_dir / "logs")
-                (settings.data_dir / "split.json").write_text(
-                    json.dumps({n: {"port": ports[n], "pid": p.pid} for n, p in procs.items()}, indent=2)
-                )
+async def _supervise(run: Run, ports: dict[str, int], procs: dict[str, subprocess.Popen]) -> None:
+    """Restart a service process that died (crash, OOM kill, SIGKILL): it rebuilds its state from the log; and the
+    embedded nats-server."""
+    settings, nats_url = run.settings, run.nats_url
+    nats = asyncio.create_task(supervise_nats(run.server, run.nats_restarted)) if run.server else None
+    try:
+        while True:
+            await asyncio.sleep(0.5)
+            for name, proc in list(procs.items()):
+                if proc.poll() is not None:
+                    log.warning("event=service_died service=%s pid=%d code=%s action=restart", name, proc.pid,
+                                proc.returncode)
+                    procs[name] = spawn_service(name, nats_url, ports[name], settings, settings.data_dir / "logs")
+                    (settings.data_dir / "split.json").write_text(
+                        json.dumps({n: {"port": ports[n], "pid": p.pid} for n, p in procs.items()}, indent=2)
+                    )
+    finally:
+        if nats is not None:
+            nats.cancel()
 
 
 def stop_processes(procs: Any, timeout: float = 10.0) -> None:
@@ -259,29 +368,44 @@ def stop_processes(procs: Any, timeout: float = 10.0) -> None:
 
 
 async def serve_gateway(
-    settings: Settings, nats_url: str, upstreams: dict[str, str], background: Coroutine[Any, Any, None] | None = None
+    settings: Settings, nats_url: str, upstreams: dict[str, str], background: Coroutine[Any, Any, None] | None = None,
+    process_signals: ProcessSignals | None = None, before_stop: Callable[[EventLog], Awaitable[None]] | None = None,
 ) -> None:
-    """The API on one port: the history API served here, every other path forwarded to its service."""
+    """The API on one port: the history API served here, every other path forwarded to its service.
+    ``before_stop``: awaited once the API has stopped, while ``background`` (`up --split`: the supervisor) runs."""
     import httpx
 
-    signals = StopSignals()
-    evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-gateway")
-    app = build_app([], [events_router(lambda: evlog)])
+    signals = process_signals.for_loop() if process_signals is not None else StopSignals()
+    evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-gateway",
+                                   user=settings.nats_user, password=settings.nats_password)
+    auth = await api_auth(settings, evlog, bootstrap=background is not None)  # `up --split` keeps the admin token
+    app = build_app([], [events_router(lambda: evlog), tokens_router(lambda: evlog)], auth=auth)
     client = httpx.AsyncClient(timeout=30)
 
-    @app.get("/v1/services", tags=["ops"])
-    async def services_status() -> list[dict[str, Any]]:
+    async def upstream_status() -> list[dict[str, Any]]:
         out = []
         for name, base in upstreams.items():
             try:
-                out.extend((await client.get(f"{base}/v1/services")).json())
+                resp = await client.get(f"{base}/readyz")
+                out.append({"service": name, "ready": resp.status_code == 200})
+            except httpx.HTTPError as e:
+                out.append({"service": name, "ready": False, "error": repr(e)})
+        return out
+
+    @app.get("/v1/services", tags=["ops"])
+    async def services_status(request: Request) -> list[dict[str, Any]]:
+        out = []
+        auth_header = {"authorization": request.headers.get("authorization", "")}
+        for name, base in upstreams.items():
+            try:
+                out.extend((await client.get(f"{base}/v1/services", headers=auth_header)).json())
             except (httpx.HTTPError, ValueError) as e:
                 out.append({"service": name, "ready": False, "error": repr(e)})
         return out
 
     @app.get("/readyz", tags=["ops"])
     async def readyz(response: Response) -> dict[str, Any]:
-        status = {s["service"]: bool(s.get("ready")) for s in await services_status()}
+        status = {s["service"]: bool(s.get("ready")) for s in await upstream_status()}
         response.status_code = 200 if all(status.values()) else 503
         return {"ready": all(status.values()), "services": status}
 
@@ -294,17 +418,20 @@ async def serve_gateway(
         try:
             resp = await client.request(
                 request.method, url, params=request.query_params, content=await request.body(),
-                headers={k: v for k, v in request.headers.items() if k.lower() in ("content-type", "accept", "traceparent")},
+                headers={k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS},
             )
         except httpx.HTTPError as e:
             return Response(json.dumps({"detail": f"service {name} unavailable: {e!r}"}), 503, media_type="application/json")
-        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"),
+                        headers={k: v for k, v in resp.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS})
 
     server = http_server(app, settings.host, settings.port)
     log.info("event=gateway_up api=http://%s:%d services=%s", settings.host, settings.port, upstreams)
     task = asyncio.create_task(background) if background is not None else None
     try:
         await serve_until_signal(server, signals)
+        if before_stop is not None:
+            await before_stop(evlog)
     finally:
         if task is not None:
             task.cancel()
@@ -325,9 +452,12 @@ def main_one(name: str) -> None:
         port: int = typer.Option(8080, help="HTTP port of this service"),
         host: str = typer.Option("127.0.0.1"),
         snapshot_every: int = typer.Option(10_000, help="snapshot the projection every N events"),
-        replicas: int = typer.Option(1, help="stream replicas (3 in a JetStream cluster)"),
+        replicas: int = typer.Option(1, envvar="GPUORCH_REPLICAS", help="stream replicas (3 in a JetStream cluster)"),
+        instance: str | None = typer.Option(None, envvar="GPUORCH_INSTANCE",
+                                            help="this replica's name (default: the host name); one process per name"),
     ) -> None:
-        settings = Settings(nats_url=nats, port=port, host=host, snapshot_every=snapshot_every, replicas=replicas)
+        settings = Settings(nats_url=nats, port=port, host=host, snapshot_every=snapshot_every, replicas=replicas,
+                            instance=instance)
         setup_logging(settings.log_level)
         setup_tracing(f"gpuorch-{name}")
         asyncio.run(_serve_alone(name, settings))
@@ -337,23 +467,10 @@ def main_one(name: str) -> None:
 
 async def _serve_alone(name: str, settings: Settings) -> None:
     signals = StopSignals()
-    evlog = await EventLog.connect(settings.nats_url or "", replicas=settings.replicas, name=f"gpuorch-{name}")
+    evlog = await EventLog.connect(settings.nats_url or "", replicas=settings.replicas, name=f"gpuorch-{name}",
+                                   user=settings.nats_user, password=settings.nats_password)
     try:
-        await run_process([build_service(name, settings)], evlog, settings.host, settings.port, signals=signals)
+        auth = await api_auth(settings, evlog)
+        await run_process([build_service(name, settings)], evlog, settings.host, settings.port, signals=signals, auth=auth)
     finally:
         await evlog.close()
-
-
-def wait_http(url: str, timeout: float = 15.0, ok: Callable[[int], bool] = lambda c: c == 200) -> bool:
-    """Poll an HTTP URL until it answers as wanted or the deadline passes."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if ok(httpx.get(url, timeout=1).status_code):
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return False

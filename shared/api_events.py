@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
@@ -11,21 +12,28 @@ from fastapi.responses import StreamingResponse
 
 from shared.eventlog import EventLog, Record, Undecodable
 from shared.events import CE_PREFIX, SUBJECT_PREFIX, subject_token
+from shared.redact import redact
 
 
 def record_json(rec: Record) -> dict[str, Any]:
+    """One stored event as the API shows it: its sequence and CloudEvent, secret values masked."""
     if isinstance(rec, Undecodable):
         return {"seq": rec.seq, "undecodable": rec.reason}
-    return {"seq": rec.seq, **rec.to_cloudevent()}
+    return {"seq": rec.seq, **redact(rec.to_cloudevent())}
+
+
+# an aggregate, or an aggregate and its id: never a NATS wildcard, a space or an empty token
+SUBJECT = r"^[a-z_]{1,40}(/[A-Za-z0-9_][A-Za-z0-9_.:@+-]{0,127})?$"
+MAX_SEQ = 2**53  # stream sequences are below this (and stay exact in JSON numbers)
 
 
 def subject_filter(subject: str | None) -> list[str] | None:
     """``job/j-1`` or ``job`` (CloudEvents subject or aggregate) -> NATS subject filters."""
     if not subject:
         return None
+    if not re.fullmatch(SUBJECT, subject):
+        raise HTTPException(422, f"subject must look like 'job' or 'job/<id>', got {subject[:300]!r}")
     aggregate, _, ident = subject.partition("/")
-    if not aggregate.isidentifier():
-        raise HTTPException(422, f"subject must look like 'job' or 'job/<id>', got {subject!r}")
     return [f"{SUBJECT_PREFIX}.{aggregate}.{subject_token(ident) if ident else '>'}"]
 
 
@@ -42,9 +50,9 @@ def events_router(get_log: Callable[[], EventLog]) -> APIRouter:
 
     @r.get("/v1/events")
     async def list_events(
-        after: Annotated[int, Query(ge=0)] = 0,
+        after: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0,
         type: Annotated[str | None, Query(max_length=200)] = None,
-        subject: Annotated[str | None, Query(max_length=300)] = None,
+        subject: Annotated[str | None, Query(pattern=SUBJECT)] = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
     ) -> list[dict[str, Any]]:
         log = get_log()
@@ -59,9 +67,9 @@ def events_router(get_log: Callable[[], EventLog]) -> APIRouter:
     @r.get("/v1/events/stream")
     async def stream_events(
         request: Request,
-        after: Annotated[int | None, Query(ge=0, description="default: only new events")] = None,
+        after: Annotated[int | None, Query(ge=0, le=MAX_SEQ, description="default: only new events")] = None,
         type: Annotated[str | None, Query(max_length=200)] = None,
-        subject: Annotated[str | None, Query(max_length=300)] = None,
+        subject: Annotated[str | None, Query(pattern=SUBJECT)] = None,
     ) -> StreamingResponse:
         log = get_log()
         subjects = subject_filter(subject)

@@ -8,18 +8,24 @@ so a replay is deterministic even when two leaders overlapped for a moment.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from shared import events as ev
-from shared.events import Envelope, TaskPlacement
+from shared.events import SUBJECT_PREFIX, Envelope, TaskPlacement
 from shared.fairshare import Division, Ratios, accrue, divide, job_share
 from shared.model import MILLI, JobSpec, NodeInfo, QueueSpec
-from shared.runtime import Projection
+from shared.projection import Projection
 
 ACTIVE = frozenset({"placed", "running", "preempting"})  # holding resources
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "rejected"})
 PENDING = frozenset({"submitted", "queued"})
+
+
+def agent_source(node_id: str) -> str:
+    """The source of a node agent's events: task reports count only from the agent of the task's node."""
+    return f"/gpuorch/agent/{node_id}"
 
 
 def _shallow(obj: Any) -> dict[str, Any]:
@@ -66,6 +72,7 @@ class JobRecord:
     started_at: float | None = None
     ended_at: float | None = None
     placements: list[TaskPlacement] = field(default_factory=list)
+    last_placements: list[TaskPlacement] = field(default_factory=list)  # kept when preempted or requeued: late exits count
     reason: str = ""
     exit_code: int | None = None
     tasks_running: list[int] = field(default_factory=list)
@@ -74,8 +81,10 @@ class JobRecord:
     retries: int = 0
     timed_out: bool = False
     seq: int = 0  # stream sequence of the last event on this job: the expected sequence of the next decision
+    attempt: int = 0  # stream sequence of the job.placed of its latest placement: agents and decisions name it
     preempting_since: float | None = None
     grace_s: int = 0
+    owner: str = ""  # the user who submitted it ("" before users existed)
 
     @property
     def gpu_milli_total(self) -> int:
@@ -86,6 +95,7 @@ class JobRecord:
             **_shallow(self),
             "spec": self.spec.model_dump(mode="json"),
             "placements": [p.model_dump(mode="json") for p in self.placements],
+            "last_placements": [p.model_dump(mode="json") for p in self.last_placements],
             "tasks_exited": {str(k): v for k, v in self.tasks_exited.items()},
             "tasks_running": list(self.tasks_running),
             "preemptions": list(self.preemptions),
@@ -96,20 +106,23 @@ class JobRecord:
         return cls(
             **{
                 **d,
-                "spec": JobSpec.model_validate(d["spec"]),
+                "spec": JobSpec.model_validate(d["spec"], context=ev.STORED),  # as logged, like decode()
                 "placements": [TaskPlacement.model_validate(p) for p in d["placements"]],
+                "last_placements": [TaskPlacement.model_validate(p) for p in d.get("last_placements", [])],
                 "tasks_exited": {int(k): v for k, v in d["tasks_exited"].items()},
             }
         )
 
 
 DEFAULT_QUEUE = "default"
-ACCOUNTING_BUCKET_S = 3600  # GPU-seconds are kept per queue per hour
+ACCOUNTING_BUCKET_S = 3600  # GPU-seconds are kept per queue per hour, for all time
+EXACT_HORIZON_S = 7 * 86400  # and ended holdings as intervals for this long: a window's edges there are exact
 KEEP_FINISHED = 5000  # finished jobs kept in memory; older ones are read back from the log on demand
 
 
 class ClusterProjection(Projection):
     name = "cluster"
+    SNAPSHOT_VERSION = 1  # bump when state() changes shape, or a fold computes something else
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,12 +131,29 @@ class ClusterProjection(Projection):
         self.queues: dict[str, QueueSpec] = {DEFAULT_QUEUE: QueueSpec()}
         self.finished: dict[str, None] = {}  # ended job ids, oldest first (an ordered set)
         self.accounting: dict[str, dict[int, float]] = {}  # queue -> hour -> GPU-seconds of ended holdings
+        self.holdings: dict[str, list[tuple[float, float, float]]] = {}  # queue -> ended (start, end, GPUs) ...
+        self.exact_since: float | None = None  # ... of all that end after this hour boundary (None: all of them)
         self.pool_shapes: dict[str, tuple[str, int]] = {}  # node pool -> (profile, max nodes): nodes that may come
         self.now = 0.0  # time of the last event folded: the projection's clock
 
     def apply(self, env: Envelope) -> bool:
-        self.now = max(self.now, env.timestamp)
+        if not isinstance(env.data, ev.LeaderElected):  # no cluster event: a restart's new term keeps the state
+            self.now = max(self.now, env.timestamp)
+        job = self.jobs.get(env.data.aggregate_id) if env.data.aggregate == "job" else None
+        if job is not None and env.seq > self.seq:
+            # every event on the job's subject, a rejected one too: a decision appended with an older expected
+            # sequence would conflict, again and again
+            job.seq = env.seq
         return super().apply(env)
+
+    def skip(self, seq: int, subject: str = "") -> None:
+        """An unreadable event on a job's subject moved that subject on too: the job's next decision expects it."""
+        prefix = f"{SUBJECT_PREFIX}.job."
+        if subject.startswith(prefix) and seq > self.seq:
+            job = self.jobs.get(subject[len(prefix):].replace(":", "."))
+            if job is not None:
+                job.seq = seq
+        super().skip(seq, subject)
 
     # --- nodes -----------------------------------------------------------------------
 
@@ -209,7 +239,8 @@ class ClusterProjection(Projection):
             self.invalid(env, f"job {e.job_id} submitted twice")
             return
         t = env.timestamp if e.submitted_at is None else e.submitted_at
-        self.jobs[e.job_id] = JobRecord(e.job_id, e.spec, submitted_at=t, updated_at=env.timestamp, seq=env.seq)
+        self.jobs[e.job_id] = JobRecord(e.job_id, e.spec, submitted_at=t, updated_at=env.timestamp, seq=env.seq,
+                                        owner=e.owner or "")
 
     def on_job_rejected(self, env: Envelope, e: ev.JobRejected) -> None:
         if job := self._job(env, e.job_id, PENDING):
@@ -225,7 +256,7 @@ class ClusterProjection(Projection):
             self.jobs.pop(old, None)
 
     def on_job_queued(self, env: Envelope, e: ev.JobQueued) -> None:
-        if job := self._job(env, e.job_id, {"submitted", "preempted", "lost"}):
+        if job := self._job(env, e.job_id, {"submitted", "preempted"}):
             job.state, job.reason = "queued", ""
 
     def on_job_unschedulable(self, env: Envelope, e: ev.JobUnschedulable) -> None:
@@ -242,6 +273,7 @@ class ClusterProjection(Projection):
         for p in e.placements:
             self._reserve(p, +1)
         job.state, job.placements, job.reason = "placed", list(e.placements), ""
+        job.last_placements, job.attempt = job.placements, env.seq
         job.placed_at, job.tasks_running, job.tasks_exited = env.timestamp, [], {}
 
     def _cannot_hold(self, placements: tuple[TaskPlacement, ...]) -> str:
@@ -273,14 +305,16 @@ class ClusterProjection(Projection):
         node.cpu_alloc += sign * p.cpu_milli
         node.mem_alloc += sign * p.memory_mib
 
-    def _release(self, job: JobRecord) -> None:
+    def _release(self, job: JobRecord, at: float) -> None:
+        """Free the job's resources; its holding ends at ``at``, the time of the event that ended it."""
         if job.state in ACTIVE:
             for p in job.placements:
                 self._reserve(p, -1)
             if job.placed_at is not None:
-                self._account(job.spec.queue, job.gpu_milli_total / MILLI, job.placed_at, self.now)
+                self._account(job.spec.queue, job.gpu_milli_total / MILLI, job.placed_at, max(job.placed_at, at))
 
     def _account(self, queue: str, gpus: float, start: float, end: float) -> None:
+        """An ended holding: into its hours' buckets, and while it is recent, as the interval itself."""
         buckets = self.accounting.setdefault(queue, {})
         t = start
         while t < end:
@@ -288,35 +322,91 @@ class ClusterProjection(Projection):
             upto = min(end, (b + 1) * ACCOUNTING_BUCKET_S)
             buckets[b] = buckets.get(b, 0.0) + gpus * (upto - t)
             t = upto
+        self._forget_holdings_before(self.now - EXACT_HORIZON_S)
+        if end > start and (self.exact_since is None or end > self.exact_since):
+            self.holdings.setdefault(queue, []).append((start, end, gpus))
 
-    def gpu_seconds(self, since: float, until: float) -> dict[str, float]:
-        """GPU-seconds per queue held in [since, until): ended holdings by bucket, running jobs exactly."""
+    def _forget_holdings_before(self, t: float) -> None:
+        """Keep intervals for the last EXACT_HORIZON_S of event time only: memory and snapshots stay bounded.
+        The cut moves by whole buckets, so that the buckets before it are exact up to it. Intervals are appended
+        as their holdings end, in event time: the old ones are at the front. One out of order (a skewed clock) may
+        stay a little longer; the query clips intervals at the cut, so it counts nothing twice."""
+        cut = math.floor(t / ACCOUNTING_BUCKET_S) * ACCOUNTING_BUCKET_S
+        if self.exact_since is not None and cut <= self.exact_since:
+            return
+        self.exact_since = cut
+        for queue in list(self.holdings):
+            held = self.holdings[queue]
+            old = 0
+            while old < len(held) and held[old][1] <= cut:
+                old += 1
+            if old == len(held):
+                del self.holdings[queue]
+            elif old:
+                del held[:old]
+
+    def gpu_seconds(self, since: float, until: float, now: float | None = None) -> dict[str, float]:
+        """GPU-seconds per queue held in [since, until); running jobs count up to ``now`` (default: ``until``).
+
+        Exact from ``exact_since`` on (the last EXACT_HORIZON_S), where ended holdings are kept as intervals;
+        before it, from the hourly buckets: whole hours exact, an hour the window cuts in proportion.
+        """
         out: dict[str, float] = {}
-        for queue, buckets in self.accounting.items():
-            for b, v in buckets.items():
-                lo, hi = b * ACCOUNTING_BUCKET_S, (b + 1) * ACCOUNTING_BUCKET_S
-                overlap = max(0.0, min(hi, until) - max(lo, since))
-                if overlap:
-                    out[queue] = out.get(queue, 0.0) + v * overlap / ACCOUNTING_BUCKET_S
+        cut = -math.inf if self.exact_since is None else self.exact_since
+        lo, hi = since, min(until, cut)  # 1. before the cut: the buckets
+        if hi > lo:
+            for queue, buckets in self.accounting.items():
+                for b, v in buckets.items():
+                    start = b * ACCOUNTING_BUCKET_S
+                    overlap = max(0.0, min(start + ACCOUNTING_BUCKET_S, hi) - max(start, lo))
+                    if overlap:
+                        out[queue] = out.get(queue, 0.0) + v * overlap / ACCOUNTING_BUCKET_S
+        lo, hi = max(since, cut), until  # 2. from the cut on: the intervals themselves
+        if hi > lo:
+            for queue, held in self.holdings.items():
+                secs = sum(gpus * max(0.0, min(end, hi) - max(start, lo)) for start, end, gpus in held)
+                if secs:
+                    out[queue] = out.get(queue, 0.0) + secs
+        upto = until if now is None else min(until, now)  # 3. running jobs, exactly
         for job in self.jobs.values():
             if job.state in ACTIVE and job.placed_at is not None:
-                held = max(0.0, until - max(job.placed_at, since))
-                out[job.spec.queue] = out.get(job.spec.queue, 0.0) + job.gpu_milli_total / MILLI * held
+                held_s = max(0.0, upto - max(job.placed_at, since))
+                if held_s:
+                    out[job.spec.queue] = out.get(job.spec.queue, 0.0) + job.gpu_milli_total / MILLI * held_s
         return out
 
     def decayed_usage(self, now: float, half_life: float) -> dict[str, float]:
-        """Time-decayed GPU-seconds per queue (Slurm's PriorityDecayHalfLife), from the accounting buckets."""
+        """Time-decayed GPU-seconds per queue (Slurm's PriorityDecayHalfLife), from the accounting buckets: each
+        hour's as if held at its middle, or at ``now`` for the hour in progress (usage never grows by decaying)."""
         out: dict[str, float] = {}
         for queue, buckets in self.accounting.items():
-            out[queue] = sum(v * 2.0 ** (-(now - (b + 0.5) * ACCOUNTING_BUCKET_S) / half_life) for b, v in buckets.items())
+            out[queue] = sum(v * 2.0 ** (-max(0.0, now - (b + 0.5) * ACCOUNTING_BUCKET_S) / half_life)
+                             for b, v in buckets.items())
         for job in self.jobs.values():
             if job.state in ACTIVE and job.placed_at is not None:
                 out[job.spec.queue] = out.get(job.spec.queue, 0.0) + accrue(0.0, job.gpu_milli_total / MILLI,
                                                                             now - job.placed_at, half_life)
         return out
 
+    def _reported_from_its_node(self, env: Envelope, e: ev.JobTaskStarted | ev.JobTaskExited,
+                                placements: list[TaskPlacement]) -> bool:
+        """A task report counts only from the agent of the node the task was placed on."""
+        if env.source != agent_source(e.node_id):
+            self.invalid(env, f"task {e.task} on {e.node_id} reported by {env.source}, not by its node's agent", "refused")
+        elif not any(p.node_id == e.node_id and p.task == e.task for p in placements):
+            self.invalid(env, f"task {e.task} of job {e.job_id} was not placed on {e.node_id}", "refused")
+        else:
+            return True
+        return False
+
+    @staticmethod
+    def of_this_attempt(job: JobRecord, e: ev.JobTaskStarted | ev.JobTaskExited) -> bool:
+        """A report names the attempt (the job.placed) it ran for: a late one about an earlier attempt changes nothing."""
+        return e.attempt is None or not job.attempt or e.attempt == job.attempt
+
     def on_job_task_started(self, env: Envelope, e: ev.JobTaskStarted) -> None:
-        if job := self._job(env, e.job_id, {"placed", "running", "preempting"}):
+        job = self._job(env, e.job_id, {"placed", "running", "preempting"})
+        if job is not None and self._reported_from_its_node(env, e, job.placements) and self.of_this_attempt(job, e):
             if job.state == "placed":
                 job.state = "running"
             if job.started_at is None:
@@ -325,7 +415,8 @@ class ClusterProjection(Projection):
                 job.tasks_running.append(e.task)
 
     def on_job_task_exited(self, env: Envelope, e: ev.JobTaskExited) -> None:
-        if job := self._job(env, e.job_id, ACTIVE | TERMINAL | {"preempted", "queued"}):
+        job = self._job(env, e.job_id, ACTIVE | TERMINAL | {"preempted", "queued"})
+        if job is not None and self._reported_from_its_node(env, e, job.last_placements) and self.of_this_attempt(job, e):
             if e.task in job.tasks_running:
                 job.tasks_running.remove(e.task)
             job.tasks_exited[e.task] = e.code
@@ -333,7 +424,7 @@ class ClusterProjection(Projection):
     def _end(self, env: Envelope, job_id: str, state: str, allowed: frozenset[str]) -> JobRecord | None:
         job = self._job(env, job_id, allowed)
         if job is not None:
-            self._release(job)
+            self._release(job, env.timestamp)
             job.state, job.ended_at = state, env.timestamp
             self._finish(job)
         return job
@@ -357,7 +448,7 @@ class ClusterProjection(Projection):
     def on_job_preempted(self, env: Envelope, e: ev.JobPreempted) -> None:
         job = self._job(env, e.job_id, {"preempting"})
         if job is not None:
-            self._release(job)
+            self._release(job, env.timestamp)
             job.state, job.placements, job.tasks_running = "preempted", [], []
             job.preemptions.append(env.timestamp)
             job.started_at = job.placed_at = job.preempting_since = None
@@ -368,8 +459,8 @@ class ClusterProjection(Projection):
 
     def on_job_requeued(self, env: Envelope, e: ev.JobRequeued) -> None:
         if job := self._job(env, e.job_id, ACTIVE):
-            self._release(job)
-            job.state, job.reason, job.retries = "queued", e.reason, job.retries + 1
+            self._release(job, env.timestamp)
+            job.state, job.reason, job.retries = "queued", e.reason, job.retries + (0 if e.interrupted else 1)
             job.placements, job.tasks_running, job.tasks_exited = [], [], {}
             job.started_at = job.placed_at = job.preempting_since = None
 
@@ -422,6 +513,8 @@ class ClusterProjection(Projection):
             "finished": list(self.finished),
             "pool_shapes": self.pool_shapes,
             "accounting": {q: {str(b): v for b, v in bs.items()} for q, bs in self.accounting.items()},
+            "holdings": {q: [list(h) for h in hs] for q, hs in self.holdings.items()},
+            "exact_since": self.exact_since,
         }
 
     def load(self, state: dict[str, Any]) -> None:
@@ -432,3 +525,9 @@ class ClusterProjection(Projection):
         self.finished = dict.fromkeys(state["finished"])
         self.pool_shapes = {k: tuple(v) for k, v in state["pool_shapes"].items()}
         self.accounting = {q: {int(b): v for b, v in bs.items()} for q, bs in state["accounting"].items()}
+        if "holdings" in state:
+            self.holdings = {q: [(s, e, g) for s, e, g in hs] for q, hs in state["holdings"].items()}
+            self.exact_since = state["exact_since"]
+        else:  # a snapshot from before intervals were kept: its holdings are in the buckets alone
+            self.holdings = {}
+            self.exact_since = math.ceil(self.now / ACCOUNTING_BUCKET_S) * ACCOUNTING_BUCKET_S

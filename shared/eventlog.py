@@ -11,11 +11,14 @@ if another writer got there first, and the caller re-reads and decides again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
@@ -27,7 +30,7 @@ from nats.js.kv import KeyValue
 from pydantic_core import from_json
 
 from shared.aio import wait_event
-from shared.events import SUBJECT_PREFIX, Envelope, MalformedEvent, UnknownEventType, decode
+from shared.events import SUBJECT_PREFIX, Envelope, MalformedEvent, UnknownEventType, decode, subject_token
 
 log = logging.getLogger("gpuorch.eventlog")
 
@@ -35,10 +38,16 @@ STREAM = "GPUORCH"
 DLQ_STREAM = "GPUORCH_DLQ"
 DLQ_PREFIX = "gpuorch.dlq"
 TELEMETRY_STREAM = "GPUORCH_TELEMETRY"
+AGENT_STREAM = "GPUORCH_AGENT"  # agents' reports, checked by inventory before they reach the log
 SNAPSHOT_BUCKET = "gpuorch-snapshots"
 HEARTBEAT_BUCKET = "gpuorch_heartbeats"
 LEASE_BUCKET = "gpuorch_leases"
+LEASE_TTL_S = 3.0  # a dead holder's lease lapses this long after its last renewal; holders renew every second
 WRONG_LAST_SEQUENCE = 10071
+REPLICAS_NEED_A_CLUSTER = 10074  # "replicas > 1 not supported in non-clustered mode"
+NOT_READY = (10005, 10008, 10023)  # no suitable peers yet, JetStream temporarily unavailable, insufficient resources
+JETSTREAM_READY_S = 60.0
+T = TypeVar("T")
 RETRYABLE = (
     asyncio.TimeoutError,
     nats.errors.TimeoutError,
@@ -60,10 +69,15 @@ class Undecodable:
     seq: int
     reason: str
     unknown_type: bool
+    subject: str = ""  # where it was stored: its aggregate still moved on
 
 
 Handler = Callable[[Envelope], Awaitable[None]]
 Record = Envelope | Undecodable
+
+
+class NoLeaderYet(Exception):
+    """A stream just made on a cluster has not elected its leader yet."""
 
 
 class _ConsumerLost(Exception):
@@ -78,7 +92,7 @@ def _ack_positions(reply: str) -> tuple[int, int]:
     return int(tokens[7]), int(tokens[10])  # $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>.<token>
 
 
-_WHITESPACE = re.compile(rb"\s")
+_WHITESPACE = re.compile(r"\s")  # on the decoded name: str.isspace's set, as nats-py's own parser
 
 
 def _parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -93,23 +107,45 @@ def _parse_header_lines(raw: bytes) -> dict[str, str]:
         if not sep:
             continue
         name = name.strip()
-        if not name.isascii() or _WHITESPACE.search(name):
+        if not name.isascii() or _WHITESPACE.search(key := name.decode("ascii")):
             continue
-        out[name.decode("ascii")] = value.strip().decode("utf-8", "replace")
+        out[key] = value.strip().decode("utf-8", "replace")
     return out
 
 
 def _decode_msg(msg: Msg) -> Record:
-    return _decode_body(msg.data, msg.metadata.sequence.stream)
+    return _decode_body(msg.data, msg.metadata.sequence.stream, msg.subject)
 
 
-def _decode_body(body: bytes, seq: int) -> Record:
+def _decode_body(body: bytes, seq: int, subject: bytes | str = "") -> Record:
     try:
         return decode(body, seq)
     except UnknownEventType as e:
-        return Undecodable(seq, f"unknown event type {e}", unknown_type=True)
+        return Undecodable(seq, f"unknown event type {e}", True, _text(subject))
     except MalformedEvent as e:
-        return Undecodable(seq, str(e), unknown_type=False)
+        return Undecodable(seq, str(e), False, _text(subject))
+
+
+def _text(subject: bytes | str) -> str:
+    return subject.decode(errors="replace") if isinstance(subject, bytes) else subject
+
+
+async def _check_credentials(servers: list[str], auth: dict[str, str | None]) -> None:
+    """One quick connect: a server that refuses these credentials is an error now, not a silent retry forever."""
+    async def quiet(e: Exception) -> None:
+        pass
+
+    try:
+        nc = await nats.connect(servers=servers, allow_reconnect=False, connect_timeout=2, error_cb=quiet, **auth)
+    except nats.errors.Error as e:
+        if "authorization" in str(e).lower():
+            who = f"user {auth['user']!r}" if auth else "a client without credentials"
+            raise PermissionError(f"NATS at {', '.join(servers)} refused {who} (set GPUORCH_NATS_USER and "
+                                  "GPUORCH_NATS_PASSWORD, or use the stack's own credentials)") from None
+        return
+    except (OSError, asyncio.TimeoutError):
+        return  # not up yet: the real connect waits for it
+    await nc.close()
 
 
 class EventLog:
@@ -119,7 +155,8 @@ class EventLog:
         self.nc = nc
         self.js = nc.jetstream(publish_async_max_pending=8192)
         self.replicas = replicas
-        self._sinks: dict[int, Callable[[bytes, bytes], None]] = {}  # subscription id -> raw (reply, body) receiver
+        self.delete_temporary = True  # replays delete their temporary consumer when done
+        self._sinks: dict[int, Callable[[bytes, bytes, bytes], None]] = {}  # subscription id -> raw (subject, reply, body)
         process_msg = nc._process_msg
 
         async def _process_msg(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
@@ -128,13 +165,24 @@ class EventLog:
             sink = self._sinks.get(sid)
             if sink is None:
                 return await process_msg(sid, subject, reply, data, headers)
-            sink(reply, data)
+            sink(subject, reply, data)
 
         nc._process_msg = _process_msg  # type: ignore[method-assign]  # the parser calls it per message
 
     @classmethod
-    async def connect(cls, url: str, *, replicas: int = 1, name: str = "gpuorch", ensure: bool = True) -> "EventLog":
+    async def connect(cls, url: str, *, replicas: int = 1, name: str = "gpuorch", ensure: bool = True,
+                      user: str | None = None, password: str | None = None, inbox_prefix: str | None = None) -> "EventLog":
+        """Connect (waiting while the server is away); ``user``/``password`` where the server wants credentials
+        (default: GPUORCH_NATS_CREDENTIALS, a file, or GPUORCH_NATS_USER/PASSWORD; refused ones fail at once,
+        with the reason); an agent reads its replies under its own ``inbox_prefix``."""
         client: list[NATS] = []
+        servers = [u.strip() for u in url.split(",") if u.strip()]
+        if not user:
+            from shared.natsauth import credentials_from
+
+            user, password = credentials_from(os.environ)
+        auth = {"user": user, "password": password} if user else {}
+        await _check_credentials(servers, auth)
 
         async def _disconnected() -> None:  # on our own close too: only an unexpected one is worth a warning
             log.log(logging.DEBUG if client and client[0].is_closed else logging.WARNING, "nats disconnected url=%s", url)
@@ -146,8 +194,10 @@ class EventLog:
             log.debug("nats error=%r", e)
 
         nc = await nats.connect(
-            servers=[u.strip() for u in url.split(",") if u.strip()],
+            servers=servers,
             name=name,
+            inbox_prefix=inbox_prefix or "_INBOX",
+            **auth,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.25,
             connect_timeout=2,
@@ -169,7 +219,33 @@ class EventLog:
     # --- streams -------------------------------------------------------------------
 
     async def ensure_streams(self) -> None:
-        """Create the streams and buckets, or verify the existing ones keep the log's guarantees."""
+        """Create the streams and buckets (at this log's replicas), or verify the existing ones keep the log's
+        guarantees. A JetStream cluster that has just started answers with timeouts and 503s until it has elected
+        its meta leader: that is retried, with backoff."""
+        await self.until_ready(self._ensure_all, "create the streams")
+
+    async def until_ready(self, op: Callable[[], Awaitable[T]], what: str, timeout: float = JETSTREAM_READY_S) -> T:
+        """``op()``, retried while JetStream is not ready (no meta leader yet, peers still joining), up to ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + timeout, 0.1
+        while True:
+            try:
+                return await op()
+            except (*RETRYABLE, APIError, NoLeaderYet) as e:
+                if self.nc.is_closed:
+                    raise
+                if isinstance(e, APIError) and e.err_code == REPLICAS_NEED_A_CLUSTER:
+                    raise RuntimeError(f"{what}: {self.replicas} replicas need a JetStream cluster of as many servers "
+                                       f"({e.description})") from None
+                if isinstance(e, APIError) and not (e.err_code in NOT_READY or (e.code or 0) >= 500):
+                    raise
+                if loop.time() > deadline:
+                    raise TimeoutError(f"{what}: JetStream not ready after {timeout:g}s: {e!r}") from None
+                log.info("event=jetstream_not_ready what=%r error=%r retry_in_s=%.1f", what, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+
+    async def _ensure_all(self) -> None:
         await self._ensure_stream(
             api.StreamConfig(
                 name=STREAM,
@@ -202,12 +278,42 @@ class EventLog:
                 num_replicas=self.replicas,
             )
         )
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=AGENT_STREAM,
+                subjects=["gpuorch.agent.>"],
+                storage=api.StorageType.FILE,
+                max_age=7 * 86400,
+                duplicate_window=300,
+                num_replicas=self.replicas,
+            )
+        )
+        # buckets agents use but may not create (their permissions stop at their own keys)
+        await self.kv(HEARTBEAT_BUCKET, ttl=60)
+        await self.kv(LEASE_BUCKET, ttl=LEASE_TTL_S)
+        await self._keep_ttl(LEASE_BUCKET, LEASE_TTL_S)  # a bucket made by an older release lapsed after 10 s
+
+    async def _elected(self, stream: str) -> None:
+        """Until a stream just made has a leader (a cluster elects one per stream), a publish gets no answer."""
+        async def leader() -> None:
+            cluster = (await self.js.stream_info(stream)).cluster
+            if cluster is not None and not cluster.leader:
+                raise NoLeaderYet(stream)
+
+        await self.until_ready(leader, f"a leader for {stream}")
+
+    async def _keep_ttl(self, bucket: str, ttl: float) -> None:
+        config = (await self.js.stream_info(f"KV_{bucket}")).config
+        if config.max_age != ttl:
+            config.max_age, config.duplicate_window = ttl, min(config.duplicate_window or ttl, ttl)
+            await self.js.update_stream(config)
 
     async def _ensure_stream(self, config: api.StreamConfig) -> None:
         try:
             info = await self.js.stream_info(config.name)
         except NotFoundError:
             await self.js.add_stream(config)
+            await self._elected(config.name)
             return
         have = info.config
         if config.name == STREAM and not (have.deny_delete and have.deny_purge):
@@ -219,11 +325,13 @@ class EventLog:
 
     # --- append --------------------------------------------------------------------
 
-    async def append(self, env: Envelope, expected_last_subject_seq: int | None = None, timeout: float = 30) -> int:
+    async def append(self, env: Envelope, expected_last_subject_seq: int | None = None, timeout: float = 30,
+                     subject: str | None = None) -> int:
         """Store one event; return its stream sequence (the original one for a duplicate id).
 
         A lost acknowledgement (timeout, reconnect) is retried until ``timeout``: the
-        message id makes the retry idempotent.
+        message id makes the retry idempotent. ``subject``: another stream's subject
+        (an agent's report) instead of the event's own in the log.
         """
         headers = env.headers()
         if expected_last_subject_seq is not None:
@@ -231,7 +339,7 @@ class EventLog:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
-                ack = await self.js.publish(env.data.nats_subject, env.encode(), headers=headers, timeout=2)
+                ack = await self.js.publish(subject or env.data.nats_subject, env.encode(), headers=headers, timeout=2)
                 return ack.seq
             except APIError as e:
                 if e.err_code == WRONG_LAST_SEQUENCE:
@@ -325,7 +433,7 @@ class EventLog:
         """
         next_seq = max(1, from_seq)
         while True:
-            name, pending = await self._temporary_consumer(next_seq, subjects)
+            name, pending = await self.until_ready(lambda: self._temporary_consumer(next_seq, subjects), "replay")
             if pending == 0:
                 await self._delete_consumer(name)
                 return
@@ -357,6 +465,8 @@ class EventLog:
         return info.name, info.num_pending
 
     async def _delete_consumer(self, name: str) -> None:
+        if not self.delete_temporary:
+            return  # it lapses by itself after inactive_threshold (agents may not delete consumers)
         try:
             await self.js.delete_consumer(STREAM, name)
         except Exception:  # noqa: BLE001 - it expires by itself after inactive_threshold
@@ -366,12 +476,12 @@ class EventLog:
         """Pull ``pending`` messages in batches; the next batch is requested before this one is decoded,
         so the server sends while we fold (the two share this machine's cores)."""
         inbox = self.nc.new_inbox()
-        got: list[tuple[bytes, bytes]] = []
+        got: list[tuple[bytes, bytes, bytes]] = []
         arrived = asyncio.Event()
         want = 0
 
-        def collect(reply: bytes, body: bytes) -> None:
-            got.append((reply, body))
+        def collect(subject: bytes, reply: bytes, body: bytes) -> None:
+            got.append((subject, reply, body))
             if len(got) >= want or not reply:  # a status message (timeout, no messages) ends a round
                 arrived.set()
 
@@ -388,17 +498,18 @@ class EventLog:
             await request(min(batch, pending))
             while pending > 0:
                 await wait_event(arrived, 5)
-                data = [(reply.decode(), body) for reply, body in got if reply]
+                data = [(subject, reply.decode(), body) for subject, reply, body in got if reply]
                 if not data:
                     raise _ConsumerLost(consumer)
-                pending = _ack_positions(data[-1][0])[1]
+                pending = _ack_positions(data[-1][1])[1]
                 if pending > 0:
                     await request(min(batch, pending))
-                for reply, body in data:
-                    yield _decode_body(body, _ack_positions(reply)[0])
+                for subject, reply, body in data:
+                    yield _decode_body(body, _ack_positions(reply)[0], subject)
         finally:
             self._sinks.pop(sub._id, None)
-            await sub.unsubscribe()
+            with contextlib.suppress(nats.errors.Error):  # closed or draining: the subscription goes with it
+                await sub.unsubscribe()
 
     async def follow(self, from_seq: int | None = None, subject: str = f"{SUBJECT_PREFIX}.>") -> AsyncIterator[Record | None]:
         """Every event from ``from_seq`` (default: only new ones) as it is stored, forever (an ordered consumer).
@@ -443,8 +554,10 @@ class EventLog:
         ack_wait: float = 30,
         stop: asyncio.Event,
         batch: int = 256,
+        stream: str = STREAM,
+        subject: str = f"{SUBJECT_PREFIX}.>",
     ) -> None:
-        """Run a durable pull consumer until ``stop`` is set.
+        """Run a durable pull consumer (on the event log, or ``stream``) until ``stop`` is set.
 
         A new durable starts at ``start_seq``; an existing one resumes where it was
         acknowledged. ``handler`` gets each record and its message and must ack,
@@ -462,32 +575,38 @@ class EventLog:
             inactive_threshold=7 * 86400,  # a replica gone for a week leaves no consumer behind
         )
         sub = None
-        while not stop.is_set():
-            try:
-                if sub is None:
-                    sub = await self.js.pull_subscribe(f"{SUBJECT_PREFIX}.>", durable=durable, stream=STREAM, config=config)
-                msgs = await sub.fetch(batch, timeout=0.5)
-            except (asyncio.TimeoutError, nats.errors.TimeoutError):
-                continue
-            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
-                    nats.errors.NoRespondersError, APIError, nats.errors.Error, OSError) as e:
-                log.info("consumer=%s waiting for nats error=%r", durable, e)
-                sub = None
-                await asyncio.sleep(0.25)
-                continue
-            for msg in msgs:
-                await handler(_decode_msg(msg), msg)
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001
-                pass
+        try:
+            while not stop.is_set():
+                try:
+                    if sub is None:
+                        sub = await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
+                    msgs = await sub.fetch(batch, timeout=0.5)
+                except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                    continue
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                        nats.errors.NoRespondersError, APIError, nats.errors.Error, OSError) as e:
+                    log.info("consumer=%s waiting for nats error=%r", durable, e)
+                    sub = None
+                    await asyncio.sleep(0.25)
+                    continue
+                for msg in msgs:
+                    try:
+                        await handler(_decode_msg(msg) if stream == STREAM else None, msg)
+                    except Exception:  # noqa: BLE001 - one message never stops the consumer: unacked, it comes again
+                        log.exception("consumer=%s handler failed seq=%d", durable, msg.metadata.sequence.stream)
+        finally:  # also when cancelled: a subscription left behind would hold up the connection's drain
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # noqa: BLE001
+                    pass
 
     async def dead_letter(self, msg: Msg, service: str, reason: str) -> None:
         """Copy a message to ``gpuorch.dlq.<service>.<aggregate>.<id>`` with the reason, then terminate it."""
-        tail = msg.subject[len(SUBJECT_PREFIX) + 1 :]
-        headers = dict(msg.headers or {})
-        headers.pop("Nats-Msg-Id", None)
+        tail = msg.subject.split(".", 2)[2]  # after gpuorch.events (or gpuorch.agent)
+        # the original's Nats-* headers are instructions to JetStream (an expected last sequence, a message id):
+        # on the dead-letter stream they would refuse or deduplicate the copy
+        headers = {k: v for k, v in (msg.headers or {}).items() if not k.lower().startswith("nats-")}
         headers.update(
             {
                 "Gpuorch-Dlq-Reason": reason[:2000].replace("\n", " "),
@@ -495,7 +614,7 @@ class EventLog:
                 "Gpuorch-Dlq-Consumer": service,
             }
         )
-        await self.js.publish(f"{DLQ_PREFIX}.{service}.{tail}", msg.data, headers=headers)
+        await self.js.publish(f"{DLQ_PREFIX}.{subject_token(service)}.{tail}", msg.data, headers=headers)
         await msg.term()
 
     async def dead_letters(self, service: str | None = None) -> list[dict]:
@@ -520,29 +639,43 @@ class EventLog:
     # --- key-value and snapshots ---------------------------------------------------
 
     async def kv(self, bucket: str, ttl: float | None = None) -> KeyValue:
-        try:
-            return await self.js.key_value(bucket)
-        except (NotFoundError, BadRequestError, nats.js.errors.BucketNotFoundError):
-            return await self.js.create_key_value(bucket=bucket, ttl=ttl, history=1, replicas=self.replicas)
+        """A KV bucket, created at this log's replicas if missing."""
+        async def get_or_create() -> KeyValue:
+            try:
+                return await self.js.key_value(bucket)
+            except (NotFoundError, BadRequestError, nats.js.errors.BucketNotFoundError):
+                kv = await self.js.create_key_value(bucket=bucket, ttl=ttl, history=1, replicas=self.replicas)
+                await self._elected(f"KV_{bucket}")
+                return kv
+
+        return await self.until_ready(get_or_create, f"bucket {bucket}")
 
     async def save_snapshot(self, name: str, seq: int, state: bytes) -> None:
         store = await self._snapshots()
         await store.put(name, state, meta=api.ObjectMeta(name=name, headers={"Gpuorch-Seq": str(seq)}))
 
     async def load_snapshot(self, name: str) -> tuple[int, bytes] | None:
-        store = await self._snapshots()
-        try:
-            obj = await store.get(name)
-        except (nats.js.errors.ObjectNotFoundError, NotFoundError, nats.js.errors.ObjectDeletedError):
-            return None
-        headers = (obj.info.headers or {}) if obj.info else {}
-        return int(headers.get("Gpuorch-Seq", "0")), obj.data or b""
+        """(sequence, state) of a service's snapshot, None if it has none; waits out a cluster still electing."""
+        async def load() -> tuple[int, bytes] | None:
+            store = await self._snapshots()
+            try:
+                obj = await store.get(name)
+            except (nats.js.errors.ObjectNotFoundError, NotFoundError, nats.js.errors.ObjectDeletedError):
+                return None
+            headers = (obj.info.headers or {}) if obj.info else {}
+            return int(headers.get("Gpuorch-Seq", "0")), obj.data or b""
+
+        return await self.until_ready(load, "the snapshot store")
 
     async def _snapshots(self):
         try:
             return await self.js.object_store(SNAPSHOT_BUCKET)
         except (NotFoundError, nats.js.errors.BucketNotFoundError, BadRequestError):
-            return await self.js.create_object_store(SNAPSHOT_BUCKET, config=api.ObjectStoreConfig(replicas=self.replicas))
+            config = api.ObjectStoreConfig(replicas=self.replicas)
+            store = await self.until_ready(lambda: self.js.create_object_store(SNAPSHOT_BUCKET, config=config),
+                                           f"object store {SNAPSHOT_BUCKET}")
+            await self._elected(f"OBJ_{SNAPSHOT_BUCKET}")
+            return store
 
 
 class Lease:

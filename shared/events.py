@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import from_json, to_json
 
-from shared.model import JobSpec, NodeInfo, QueueSpec
+from shared.model import GpuUuid, JobId, JobSpec, NodeId, NodeInfo, QueuePath, QueueSpec, ResourceName, TaskIndex
 
 CE_PREFIX = "io.gpuorch."
 SUBJECT_PREFIX = "gpuorch.events"
@@ -99,21 +99,21 @@ def upcaster(old_type: str) -> Callable[[Upcaster], Upcaster]:
 @register
 class NodeRegistered(Event):
     TYPE, KEY = "node.registered", "node_id"
-    node_id: str
+    node_id: NodeId
     node: NodeInfo
 
 
 @register
 class NodeCordoned(Event):
     TYPE, KEY = "node.cordoned", "node_id"
-    node_id: str
+    node_id: NodeId
     reason: str = ""
 
 
 @register
 class NodeDrainRequested(Event):
     TYPE, KEY = "node.drain_requested", "node_id"
-    node_id: str
+    node_id: NodeId
     grace_s: int = 300
     reason: str = ""
 
@@ -121,27 +121,27 @@ class NodeDrainRequested(Event):
 @register
 class NodeDrained(Event):
     TYPE, KEY = "node.drained", "node_id"
-    node_id: str
+    node_id: NodeId
 
 
 @register
 class NodeResumed(Event):
     TYPE, KEY = "node.resumed", "node_id"
-    node_id: str
+    node_id: NodeId
 
 
 @register
 class NodeLost(Event):
     TYPE, KEY = "node.lost", "node_id"
-    node_id: str
+    node_id: NodeId
     reason: str = ""
 
 
 @register
 class GpuUnhealthy(Event):
     TYPE, KEY = "gpu.unhealthy", "node_id"
-    node_id: str
-    gpu_uuid: str
+    node_id: NodeId
+    gpu_uuid: GpuUuid
     kind: str  # xid | ecc | thermal | lost
     xid: int | None = None
     detail: str = ""
@@ -156,15 +156,15 @@ class GpuUnhealthy(Event):
 
 class GpuShare(BaseModel):
     model_config = ConfigDict(frozen=True)
-    uuid: str
+    uuid: GpuUuid
     milli: int = 1000
     mig_profile: str | None = None
 
 
 class TaskPlacement(BaseModel):
     model_config = ConfigDict(frozen=True)
-    task: int
-    node_id: str
+    task: TaskIndex
+    node_id: NodeId
     gpus: tuple[GpuShare, ...] = ()
     cpu_milli: int = 0
     memory_mib: int = 0
@@ -173,28 +173,29 @@ class TaskPlacement(BaseModel):
 @register
 class JobSubmitted(Event):
     TYPE, KEY = "job.submitted", "job_id"
-    job_id: str
+    job_id: JobId
     spec: JobSpec
     submitted_at: float | None = None  # original submit time (epoch s), kept across requeues
+    owner: str | None = None  # the user who submitted it (None: written before users existed)
 
 
 @register
 class JobRejected(Event):
     TYPE, KEY = "job.rejected", "job_id"
-    job_id: str
+    job_id: JobId
     reason: str
 
 
 @register
 class JobQueued(Event):
     TYPE, KEY = "job.queued", "job_id"
-    job_id: str
+    job_id: JobId
 
 
 @register
 class JobPlaced(Event):
     TYPE, KEY = "job.placed", "job_id"
-    job_id: str
+    job_id: JobId
     placements: tuple[TaskPlacement, ...]
     spread: str = "node"  # tightest topology level the gang fits in
     policy: str = ""
@@ -203,40 +204,46 @@ class JobPlaced(Event):
 @register
 class JobUnschedulable(Event):
     TYPE, KEY = "job.unschedulable", "job_id"
-    job_id: str
+    job_id: JobId
     reason: str
 
 
 @register
 class JobTaskStarted(Event):
     TYPE, KEY = "job.task_started", "job_id"
-    job_id: str
-    task: int
-    node_id: str
+    job_id: JobId
+    task: TaskIndex
+    node_id: NodeId
     pid: int | None = None
+    attempt: int | None = None  # the stream sequence of the job.placed it runs for (None: an agent older than this field)
 
 
 @register
 class JobTaskExited(Event):
+    """``interrupted``: the task did not end by itself or by a decision about its job; its node stopped under it
+    (a simulated node powering off with `gpuorch up`): the job goes back to the queue, no retry counted."""
+
     TYPE, KEY = "job.task_exited", "job_id"
-    job_id: str
-    task: int
-    node_id: str
+    job_id: JobId
+    task: TaskIndex
+    node_id: NodeId
     code: int | None = None
     signal: int | None = None
     reason: str = ""
+    attempt: int | None = None  # the stream sequence of the job.placed it ran for (None: an agent older than this field)
+    interrupted: bool = False
 
 
 @register
 class JobSucceeded(Event):
     TYPE, KEY = "job.succeeded", "job_id"
-    job_id: str
+    job_id: JobId
 
 
 @register
 class JobFailed(Event):
     TYPE, KEY = "job.failed", "job_id"
-    job_id: str
+    job_id: JobId
     code: int | None = None
     reason: str = ""
 
@@ -244,14 +251,14 @@ class JobFailed(Event):
 @register
 class JobCancelled(Event):
     TYPE, KEY = "job.cancelled", "job_id"
-    job_id: str
+    job_id: JobId
     reason: str = ""
 
 
 @register
 class JobPreempting(Event):
     TYPE, KEY = "job.preempting", "job_id"
-    job_id: str
+    job_id: JobId
     reason: str
     grace_s: int = 30
 
@@ -259,23 +266,25 @@ class JobPreempting(Event):
 @register
 class JobPreempted(Event):
     TYPE, KEY = "job.preempted", "job_id"
-    job_id: str
+    job_id: JobId
 
 
 @register
 class JobTimedOut(Event):
     TYPE, KEY = "job.timed_out", "job_id"
-    job_id: str
+    job_id: JobId
     grace_s: int = 30
 
 
 @register
 class JobRequeued(Event):
-    """A running job lost its node (or its place) and goes back to the queue: its resources are freed, retries + 1."""
+    """A running job lost its node (or its place) and goes back to the queue: its resources are freed, retries + 1
+    (``interrupted``: its node stopped under it, not its fault: no retry counted)."""
 
     TYPE, KEY = "job.requeued", "job_id"
-    job_id: str
+    job_id: JobId
     reason: str = ""
+    interrupted: bool = False
 
 
 # --- queues ----------------------------------------------------------------------
@@ -284,21 +293,21 @@ class JobRequeued(Event):
 @register
 class QueueDefined(Event):
     TYPE, KEY = "queue.defined", "path"
-    path: str
+    path: QueuePath
     spec: QueueSpec
 
 
 @register
 class QueueUpdated(Event):
     TYPE, KEY = "queue.updated", "path"
-    path: str
+    path: QueuePath
     spec: QueueSpec
 
 
 @register
 class QueueDeleted(Event):
     TYPE, KEY = "queue.deleted", "path"
-    path: str
+    path: QueuePath
 
 
 # --- pools and deployments -------------------------------------------------------
@@ -306,8 +315,8 @@ class QueueDeleted(Event):
 
 @register
 class PoolDefined(Event):
-    TYPE, KEY = "pool.defined", "pool"
-    pool: str
+    TYPE, VERSION, KEY = "pool.defined", 2, "pool"
+    pool: ResourceName
     profile: str
     min_nodes: int = 0
     max_nodes: int = 0
@@ -315,15 +324,19 @@ class PoolDefined(Event):
     idle_timeout_s: float = 600
     cost_per_node_hour: float = 0.0
     hourly_cost_cap: float | None = None
-    provider: str = "simulated"  # simulated | command
-    provision_command: tuple[str, ...] = ()
-    terminate_command: tuple[str, ...] = ()
+    provider: str = "simulated"  # a name: the built-in "simulated" or one in the server's providers file
+
+
+@upcaster("io.gpuorch.pool.defined.v1")
+def _pool_defined_v1(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """v1 carried the commands to run; they are dropped unread: only an admin's providers file names commands."""
+    return PoolDefined.ce_type(), {k: v for k, v in data.items() if k not in ("provision_command", "terminate_command")}
 
 
 @register
 class PoolScaleRequested(Event):
     TYPE, KEY = "pool.scale_requested", "pool"
-    pool: str
+    pool: ResourceName
     delta: int
     reason: str = ""
 
@@ -331,29 +344,65 @@ class PoolScaleRequested(Event):
 @register
 class PoolNodeProvisioned(Event):
     TYPE, KEY = "pool.node_provisioned", "pool"
-    pool: str
-    node_id: str
+    pool: ResourceName
+    node_id: NodeId
 
 
 @register
 class PoolNodeTerminated(Event):
     TYPE, KEY = "pool.node_terminated", "pool"
-    pool: str
-    node_id: str
+    pool: ResourceName
+    node_id: NodeId
 
 
 @register
 class DeploymentDefined(Event):
     TYPE, KEY = "deployment.defined", "name"
-    name: str
+    name: ResourceName
     spec: dict[str, Any] = Field(default_factory=dict)
 
 
 @register
 class DeploymentScaled(Event):
     TYPE, KEY = "deployment.scaled", "name"
-    name: str
+    name: ResourceName
     replicas: int
+
+
+# --- access ----------------------------------------------------------------------
+
+
+@register
+class TokenIssued(Event):
+    """An API token was issued (the audit trail; the token itself is never in the log)."""
+
+    TYPE, KEY = "token.issued", "token_id"
+    token_id: str
+    user: str
+    groups: tuple[str, ...] = ()
+    role: str = "user"
+    expires_at: float | None = None
+
+
+@register
+class TokenRevoked(Event):
+    TYPE, KEY = "token.revoked", "token_id"
+    token_id: str
+    user: str = ""
+
+
+# --- leadership ------------------------------------------------------------------
+
+
+@register
+class LeaderElected(Event):
+    """A singleton decider's term began: from here on, decisions from ``source`` count only with this epoch."""
+
+    TYPE, KEY = "leader.elected", "lease"
+    lease: ResourceName  # the KV lease: scheduler, health, autoscaler
+    source: str = Field(pattern=r"^/gpuorch/[a-z0-9/-]{1,100}$")  # the decision source it vouches for
+    epoch: int = Field(ge=1)  # the lease's KV revision at acquisition
+    holder: str = Field(max_length=300)
 
 
 # --- envelope --------------------------------------------------------------------
@@ -369,6 +418,7 @@ class Envelope:
     time: datetime = field(default_factory=lambda: datetime.now(UTC))
     epoch: int | None = None  # lease epoch of the deciding leader (CloudEvents extension)
     traceparent: str | None = None
+    actor: str | None = None  # the person whose request caused it (CloudEvents extension; the audit trail)
     seq: int = 0  # stream sequence; 0 until stored
 
     @property
@@ -397,6 +447,8 @@ class Envelope:
             ce["gpuorchepoch"] = self.epoch
         if self.traceparent:
             ce["traceparent"] = self.traceparent
+        if self.actor:
+            ce["gpuorchactor"] = self.actor
         return ce
 
     def to_cloudevent(self) -> dict[str, Any]:
@@ -418,6 +470,9 @@ class Envelope:
         return h
 
 
+STORED = {"stored": True}  # validation context of a logged event: rules for new data only (model.JobSpec) let it be
+
+
 def decode(body: bytes, seq: int = 0) -> Envelope:
     """Parse a stored CloudEvent. Raises UnknownEventType or MalformedEvent; never anything else."""
     try:
@@ -434,10 +489,10 @@ def decode(body: bytes, seq: int = 0) -> Envelope:
     if cls is None:
         raise UnknownEventType(ce_type)
     try:
-        event = cls.model_validate(data)
+        event = cls.model_validate(data, context=STORED)
     except ValidationError as e:
         raise MalformedEvent(f"{ce_type}: {e.errors()[0].get('msg')} at {e.errors()[0].get('loc')}") from None
-    epoch = ce.get("gpuorchepoch")
+    epoch, actor = ce.get("gpuorchepoch"), ce.get("gpuorchactor")
     return Envelope(
         data=event,
         id=str(ce.get("id", "")),
@@ -445,6 +500,7 @@ def decode(body: bytes, seq: int = 0) -> Envelope:
         time=ce_time,
         epoch=epoch if isinstance(epoch, int) else None,
         traceparent=ce.get("traceparent"),
+        actor=actor if isinstance(actor, str) else None,
         seq=seq,
     )
 
@@ -469,6 +525,7 @@ def export_schemas(directory: Path) -> list[Path]:
                 "time": {"type": "string", "format": "date-time"},
                 "datacontenttype": {"const": "application/json"},
                 "gpuorchepoch": {"type": "integer"},
+                "gpuorchactor": {"type": "string"},
                 "data": cls.model_json_schema(),
             },
         }

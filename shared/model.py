@@ -7,9 +7,9 @@ so sums are exact; the API accepts human units and converts at the edge.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MILLI = 1000
 Priority = Literal["critical", "high", "normal", "low"]
@@ -19,23 +19,48 @@ TOPOLOGY_LEVELS: tuple[str, ...] = ("nvlink", "node", "rack", "zone", "any")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
 _QUEUE_PATH = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,62}(\.[a-z0-9][a-z0-9_\-]{0,62}){0,7}$")
+RESOURCE_NAME = r"^[a-z0-9][a-z0-9-]{0,40}$"  # pools and deployments, as the API takes them
+
+JOB_ID = r"^[a-z0-9][a-z0-9-]{0,80}$"
+NODE_ID = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+QUEUE_PATH = _QUEUE_PATH.pattern
+
+# Ids that reach paths, NATS subjects and task environments: checked wherever an event is read, whoever wrote it
+JobId = Annotated[str, Field(pattern=JOB_ID)]
+NodeId = Annotated[str, Field(pattern=NODE_ID)]
+GpuUuid = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")]  # GPU-..., MIG-..., MIG-GPU-.../1/0
+ResourceName = Annotated[str, Field(pattern=RESOURCE_NAME)]
+QueuePath = Annotated[str, Field(pattern=_QUEUE_PATH.pattern)]
+TaskIndex = Annotated[int, Field(ge=0)]
+
+
+def _json_number(v: Any) -> Any:
+    """JSON numbers only: pydantic's lax mode would read true as 1 and "5" as 5, which the schema does not allow."""
+    if isinstance(v, (bool, str)):
+        raise ValueError("Input should be a number")
+    return v
+
+
+JsonNumber = BeforeValidator(_json_number)  # an optional number: Annotated[int, Field(ge=...), JsonNumber] | None
+Int = Annotated[int, JsonNumber]  # 1.0 is still 1, as JSON Schema's integer says
+Float = Annotated[float, JsonNumber]
 
 
 class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 # --- inventory -------------------------------------------------------------------
 
 
 class MigSlice(Frozen):
-    uuid: str
+    uuid: GpuUuid
     profile: str  # e.g. "1g.10gb"
     memory_mib: int = 0
 
 
 class GpuInfo(Frozen):
-    uuid: str
+    uuid: GpuUuid
     index: int
     model: str
     memory_mib: int
@@ -52,7 +77,7 @@ class GpuInfo(Frozen):
 
 
 class NodeInfo(Frozen):
-    node_id: str
+    node_id: NodeId
     hostname: str = ""
     labels: dict[str, str] = Field(default_factory=dict)
     rack: str = ""
@@ -70,17 +95,26 @@ class NodeInfo(Frozen):
 # --- jobs ------------------------------------------------------------------------
 
 
+def _gpus_schema(schema: dict[str, Any]) -> None:
+    """What ``_whole_or_fraction`` accepts, as JSON Schema: a whole number up to 64, or thousandths below 1."""
+    for key in ("type", "minimum", "maximum"):
+        schema.pop(key, None)
+    schema["anyOf"] = [{"type": "integer", "minimum": 0, "maximum": 64},
+                       {"type": "number", "minimum": 0, "exclusiveMaximum": 1, "multipleOf": 0.001}]
+
+
 class TaskResources(Frozen):
-    gpus: float = Field(default=1, ge=0, le=64, description="per task: whole GPUs, or a fraction below 1")
-    cpu_milli: int = Field(default=0, ge=0, le=10_000_000)
-    memory_mib: int = Field(default=0, ge=0, le=100_000_000)
+    gpus: Float = Field(default=1, ge=0, le=64, description="per task: whole GPUs, or a fraction below 1",
+                        json_schema_extra=_gpus_schema)
+    cpu_milli: Int = Field(default=0, ge=0, le=10_000_000)
+    memory_mib: Int = Field(default=0, ge=0, le=100_000_000)
 
     @field_validator("gpus")
     @classmethod
     def _whole_or_fraction(cls, v: float) -> float:
         if v >= 1 and v != int(v):
             raise ValueError("gpus must be a whole number, or a fraction below 1 (e.g. 0.25)")
-        if v < 1 and round(v * MILLI) != v * MILLI:
+        if v < 1 and round(v, 3) != v:  # decimally, as JSON Schema's multipleOf 0.001 (0.007 * 1000 is no whole float)
             raise ValueError("a fractional GPU is counted in thousandths: at most 3 decimals")
         return v
 
@@ -91,43 +125,73 @@ class TaskResources(Frozen):
 
 class GpuConstraints(Frozen):
     models: tuple[str, ...] = ()
-    min_memory_mib: int = Field(default=0, ge=0)
-    min_compute_capability: str | None = None
+    min_memory_mib: Int = Field(default=0, ge=0, le=100_000_000)
+    min_compute_capability: str | None = Field(default=None, pattern=r"^[0-9]{1,2}(\.[0-9]{1,2})?$")
     mig: str | None = Field(default=None, pattern=r"^[1-7]g\.[0-9]+gb$")
 
 
+EnvName = Annotated[str, Field(pattern=r"^[^=\x00]{1,255}$", description="no '=' or NUL: exec() could not pass it")]
+# what the API takes (events keep reading EnvName: a job submitted before stays readable)
+EnvVarName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,254}$", description="a POSIX environment name")]
+NoNul = Annotated[str, Field(max_length=131_072, pattern=r"^[^\x00]*$")]  # reaches exec(): no NUL byte
+# an environment as the API takes it; the schema says that names outside the pattern are refused, not just free
+EnvMap = Annotated[dict[EnvVarName, NoNul], Field(max_length=1024, json_schema_extra={"additionalProperties": False})]
+
+
+MAX_ENV_BYTES = 128 * 1024  # env + secret_env as exec() counts them: one "NAME=value" above 128 KiB is E2BIG on Linux
+
+
+def env_bytes(*envs: dict[str, str]) -> int:
+    """Bytes of these environments as exec() passes them: "NAME=value" and a NUL each."""
+    return sum(len(k.encode()) + len(v.encode()) + 2 for env in envs for k, v in env.items())
+
+
 class JobSpec(Frozen):
-    name: str = Field(min_length=1, max_length=63)
-    queue: str = Field(default="default", max_length=255)
+    name: str = Field(min_length=1, max_length=63, pattern=_NAME.pattern,
+                      description="letters, digits, '.', '_' or '-', starting with a letter or digit")
+    queue: str = Field(default="default", max_length=255, pattern=QUEUE_PATH,
+                       description="a leaf of the queue tree as a dotted path of lowercase names, e.g. research.nlp")
     priority: Priority = "normal"
-    tasks: int = Field(default=1, ge=1, le=1024)
+    tasks: Int = Field(default=1, ge=1, le=1024)
     resources: TaskResources = TaskResources()
     gpu: GpuConstraints = GpuConstraints()
     topology: Topology = "any"
+    tasks_per_node: Annotated[int, Field(ge=1, le=1024), JsonNumber] | None = Field(
+        default=None, description="exactly this many tasks on every node the gang uses, as Slurm's --nodes with "
+                                  "--ntasks-per-node (tasks is a multiple of it); none: as many as fit")
     node_selector: dict[str, str] = Field(default_factory=dict)
-    time_limit_s: int | None = Field(default=None, gt=0, le=365 * 86400)
-    max_retries: int = Field(default=0, ge=0, le=100)
-    command: tuple[str, ...] = ()
-    env: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not _NAME.match(v):
-            raise ValueError("name: letters, digits, '.', '_' or '-', starting with a letter or digit")
-        return v
-
-    @field_validator("queue")
-    @classmethod
-    def _queue(cls, v: str) -> str:
-        if not _QUEUE_PATH.match(v):
-            raise ValueError("queue is a dotted path of lowercase names, e.g. research.nlp")
-        return v
+    time_limit_s: Annotated[int, Field(gt=0, le=365 * 86400), JsonNumber] | None = None
+    max_retries: Int = Field(default=0, ge=0, le=100)
+    command: tuple[NoNul, ...] = Field(default=(), max_length=4096)
+    env: dict[EnvName, NoNul] = Field(default_factory=dict, max_length=1024)
+    secret_env: dict[EnvName, NoNul] = Field(
+        default_factory=dict, max_length=1024,
+        description="stored, given to the tasks, never shown by the API or in events (env names matching the "
+                    "server's secret pattern are moved here on submit)")
 
     @model_validator(mode="after")
     def _mig_is_whole_slice(self) -> "JobSpec":
         if self.gpu.mig and self.resources.gpus not in (0, 1):
             raise ValueError("a MIG job asks for one slice per task: leave resources.gpus at 1")
+        return self
+
+    @model_validator(mode="after")
+    def _tasks_split_evenly_by_node(self) -> "JobSpec":
+        k = self.tasks_per_node
+        if k is not None and self.tasks % k:
+            raise ValueError(f"tasks ({self.tasks}) is not a multiple of tasks_per_node ({k}): every node the gang "
+                             "uses holds tasks_per_node tasks")
+        if k is not None and self.topology == "node" and k != self.tasks:
+            raise ValueError("topology node keeps the gang on one node: leave tasks_per_node out, or equal to tasks")
+        return self
+
+    @model_validator(mode="after")
+    def _env_fits_exec(self, info: ValidationInfo) -> "JobSpec":
+        """Checked where a job is made (the API, a deployment's replicas); a logged job is read as it was
+        (``decode`` validates with context ``stored``): its task fails with exec()'s reason instead."""
+        if not (info.context or {}).get("stored") and (n := env_bytes(self.env, self.secret_env)) > MAX_ENV_BYTES:
+            raise ValueError(f"env and secret_env take {n} bytes as NAME=value; at most {MAX_ENV_BYTES} (128 KiB), "
+                             "what one exec() can pass: put larger data in a file")
         return self
 
     @property
@@ -138,16 +202,27 @@ class JobSpec(Frozen):
 # --- queues ----------------------------------------------------------------------
 
 
+MAX_QUEUE_GPUS = 1_000_000
+
+
 class GpuAmount(Frozen):
-    gpus: float = Field(default=0, ge=0)
+    gpus: Float = Field(default=0, ge=0, le=MAX_QUEUE_GPUS)
+
+
+GroupName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.@+-]{0,127}$")]
 
 
 class QueueSpec(Frozen):
     guaranteed: GpuAmount = GpuAmount()
     limit: GpuAmount | None = None
-    weight: float = Field(default=1, gt=0, le=1000)
-    priority: int = 0
-    preempt_min_runtime_s: int = Field(default=0, ge=0)
+    weight: Float = Field(default=1, gt=0, le=1000)
+    priority: Int = Field(default=0, ge=-1000, le=1000)
+    preempt_min_runtime_s: Int = Field(default=0, ge=0, le=30 * 86400)
+    groups: tuple[GroupName, ...] = Field(default=(), max_length=64,
+                                          description="groups whose users may submit here (empty: as the parent; none: all)")
+    group_access: Literal["none", "read", "cancel"] = Field(
+        default="none", description="what users of those groups may do with each other's jobs in this queue")
+    max_priority: Priority = Field(default="high", description="the highest priority a user may submit at here")
 
     @model_validator(mode="after")
     def _limit_above_guarantee(self) -> "QueueSpec":

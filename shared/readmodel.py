@@ -40,6 +40,7 @@ class JobRow(SQLModel, table=True):
     reason: str = ""
     nodes: str = ""
     preemptions: int = 0
+    owner: str = Field(default="", index=True)
 
 
 class Cursor(SQLModel, table=True):
@@ -55,7 +56,25 @@ def engine_for(url: str | None, data_dir: Path) -> Engine:
         url = f"sqlite:///{data_dir / 'readmodel.db'}"
     engine = create_engine(url, pool_pre_ping=True)
     SQLModel.metadata.create_all(engine)
+    _add_missing_columns(engine)
     return engine
+
+
+def _add_missing_columns(engine: Engine) -> None:
+    """Tables made by an older version lack newer columns (create_all adds tables only): add them, with defaults."""
+    from sqlalchemy import inspect, literal, text
+
+    for table in SQLModel.metadata.sorted_tables:
+        have = {c["name"] for c in inspect(engine).get_columns(table.name)}
+        for col in table.columns:
+            if col.name in have:
+                continue
+            default = col.default.arg if col.default is not None else None
+            clause = "" if default is None else \
+                f" DEFAULT {literal(default).compile(engine, compile_kwargs={'literal_binds': True})}"
+            with engine.begin() as conn:
+                conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {col.name} {col.type.compile(engine.dialect)}{clause}"))
+            log.info("event=column_added table=%s column=%s", table.name, col.name)
 
 
 ENDS = {ev.JobSucceeded: "succeeded", ev.JobFailed: "failed", ev.JobCancelled: "cancelled", ev.JobRejected: "rejected"}
@@ -67,7 +86,8 @@ def fold_row(row: JobRow | None, env: Envelope) -> JobRow | None:
     if isinstance(e, ev.JobSubmitted):
         s = e.spec
         return row or JobRow(job_id=e.job_id, name=s.name, queue=s.queue, priority=s.priority, state="submitted",
-                             tasks=s.tasks, gpu_milli=s.gpu_milli * s.tasks, submitted_at=e.submitted_at or t)
+                             tasks=s.tasks, gpu_milli=s.gpu_milli * s.tasks, submitted_at=e.submitted_at or t,
+                             owner=e.owner or "")
     if row is None:
         return None
     if isinstance(e, ev.JobQueued):

@@ -13,22 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import re
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Response
+from fastapi import APIRouter, Depends, FastAPI, Response
+from fastapi.responses import PlainTextResponse
 from nats.aio.msg import Msg
-from pydantic_core import from_json, to_json
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from shared import api_errors
+from shared.auth import Authenticator, Principal, authorize, caller
 from shared.eventlog import EventLog, Record, Undecodable
-from shared.events import REGISTRY, Envelope, Event
+from shared.events import Envelope, Event
+from shared.instance import INSTANCE_BUCKET, INSTANCE_TTL_S, InstanceLock, InstanceTaken
+from shared.projection import Projection, SnapshotUnusable
 from shared.telemetry import current_traceparent
 
 if TYPE_CHECKING:
@@ -37,95 +40,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpuorch.runtime")
 
 
-class Projection:
-    """State folded from events. ``apply`` is a deterministic function of (state, event).
+class NotCaughtUp(api_errors.Unavailable):
+    """The service has not folded an event it waited for (its own append, the log's head) within the timeout."""
 
-    Subclasses write ``on_<aggregate>_<verb>(self, env, event)`` methods (for
-    ``job.placed``: ``on_job_placed``) and ``state()``/``load()`` for snapshots and
-    digests. A method calls ``self.invalid(env, why)`` for a transition that must not
-    happen (a GPU already taken, a job already ended): the event is recorded and
-    changes nothing.
-    """
-
-    name: ClassVar[str] = "projection"
-    _dispatch: ClassVar[dict[type[Event], str]] = {}
-    MAX_INVALID = 1000
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        cls._dispatch = {
-            ev: f"on_{ev.TYPE.replace('.', '_')}" for ev in REGISTRY.values() if hasattr(cls, f"on_{ev.TYPE.replace('.', '_')}")
-        }
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.applied = 0
-        self.invalid_count = 0
-        self.invalid_transitions: list[str] = []
-        self.epochs: dict[str, int] = {}
-
-    def apply(self, env: Envelope) -> bool:
-        """Fold one event; False if it was at or below the last applied sequence (a redelivery)."""
-        if env.seq and env.seq <= self.seq:
-            return False
-        if env.seq:
-            self.seq = env.seq
-        if env.epoch is not None:
-            seen = self.epochs.get(env.source, 0)
-            if env.epoch < seen:
-                self.invalid(env, f"stale leader epoch {env.epoch} < {seen}")
-                return True
-            self.epochs[env.source] = env.epoch
-        method = self._dispatch.get(type(env.data))
-        self.applied += 1
-        if method is not None:
-            getattr(self, method)(env, env.data)
-        return True
-
-    def skip(self, seq: int) -> None:
-        """Advance past an event this code cannot read."""
-        self.seq = max(self.seq, seq)
-
-    def invalid(self, env: Envelope, why: str) -> None:
-        self.invalid_count += 1
-        if len(self.invalid_transitions) < self.MAX_INVALID:
-            self.invalid_transitions.append(f"seq={env.seq} {env.type} {env.subject}: {why}")
-
-    # --- state -----------------------------------------------------------------------
-
-    def state(self) -> dict[str, Any]:
-        return {}
-
-    def load(self, state: dict[str, Any]) -> None:
-        pass
-
-    def digest(self) -> str:
-        """sha256 of the canonical state; cached per position, since a poll of /v1/services should not refold."""
-        key = (self.seq, self.applied, self.invalid_count)
-        if getattr(self, "_digest_key", None) != key:
-            body = {"applied": self.applied, "invalid": self.invalid_count, "state": self.state()}
-            self._digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
-            self._digest_key = key
-        return self._digest
-
-    def snapshot(self) -> bytes:
-        return to_json(
-            {
-                "seq": self.seq,
-                "applied": self.applied,
-                "invalid_count": self.invalid_count,
-                "invalid": self.invalid_transitions,
-                "epochs": self.epochs,
-                "state": self.state(),
-            },
-        )
-
-    def restore(self, blob: bytes) -> None:
-        doc = from_json(blob)
-        self.seq, self.applied = doc["seq"], doc["applied"]
-        self.invalid_count, self.invalid_transitions = doc["invalid_count"], doc["invalid"]
-        self.epochs = doc["epochs"]
-        self.load(doc["state"])
+    def __init__(self, service: str, folded: int, wanted: int, timeout: float, advice: str = "retry") -> None:
+        super().__init__(f"the {service} service has not caught up with the log (seq {folded} < {wanted}) within "
+                         f"{timeout:g} s; {advice}")
+        self.service, self.folded, self.wanted = service, folded, wanted
 
 
 class Metrics:
@@ -148,6 +69,26 @@ class Metrics:
 Reaction = Callable[[Envelope], Awaitable[None]]
 
 
+class SnapshotStore:
+    """Snapshots in a local directory (one file per service), for a process that may not write the bus's store."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    async def load_snapshot(self, name: str) -> tuple[int, bytes] | None:
+        try:
+            blob = (self.directory / f"{name}.snapshot").read_bytes()
+        except FileNotFoundError:
+            return None
+        return 0, blob
+
+    async def save_snapshot(self, name: str, seq: int, state: bytes) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.directory / f"{name}.snapshot.tmp"
+        tmp.write_bytes(state)
+        tmp.replace(self.directory / f"{name}.snapshot")
+
+
 class Service:
     """A named projection with its reaction, timers and HTTP router, run against the event log."""
 
@@ -163,8 +104,14 @@ class Service:
         max_deliver: int = 5,
         metrics: Metrics | None = None,
         instance: str | None = None,
+        snapshots: "SnapshotStore | None" = None,
+        exclusive: bool = True,
     ) -> None:
+        """``snapshots``: where this service keeps its snapshot (default: the bus's object store); ``exclusive``:
+        hold the instance name while running (``shared.instance``), so that no two processes share a consumer."""
         self.name = name
+        self.exclusive = exclusive
+        self.snapshots = snapshots
         # each replica has its own durable consumer: replicas sharing one would split the stream between them
         self.instance = re.sub(r"[^A-Za-z0-9_-]", "_", instance if instance is not None else socket.gethostname())
         self.projection = projection
@@ -180,18 +127,41 @@ class Service:
         self.ready = asyncio.Event()
         self.stop_event = asyncio.Event()
         self.changed = asyncio.Event()  # set on every folded event: timers wait on it to debounce
+        self.catch_up_timeout_s = 2.0  # how long caught_up waits for the fold by default
         self._since_snapshot = 0
 
     # --- lifecycle -------------------------------------------------------------------
 
     async def run(self, log_: EventLog) -> None:
-        """Restore, replay, then consume live until ``stop()``; snapshot on the way out."""
+        """Take the instance name, restore, replay, then consume live until ``stop()``; snapshot on the way out.
+        Raises InstanceTaken if another live process holds the name (or takes it while this one stalls)."""
+        if not self.exclusive:
+            return await self._serve(log_)
+        lock = InstanceLock(await log_.kv(INSTANCE_BUCKET, ttl=INSTANCE_TTL_S), self.name, self.instance or "-")
+        await lock.acquire()
+        keeper = asyncio.create_task(lock.keep(), name=f"{self.name}-instance")
+        keeper.add_done_callback(lambda t: t.cancelled() or self.stop())  # it ends by itself only when the name is lost
+        try:
+            await self._serve(log_)
+        finally:
+            lost = keeper.exception() if keeper.done() and not keeper.cancelled() else None
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+            await lock.release()
+        if lost is not None:
+            raise lost
+
+    async def _serve(self, log_: EventLog) -> None:
         self.log = log_
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        restored = await log_.load_snapshot(self.name)
+        restored = await (self.snapshots or log_).load_snapshot(self.name)
         if restored is not None:
-            self.projection.restore(restored[1])
+            try:
+                self.projection.restore(restored[1])
+            except SnapshotUnusable as e:  # a snapshot is a shortcut: the log alone rebuilds the same state
+                log.warning("service=%s snapshot ignored reason=%r action=full_replay", self.name, str(e))
+                restored = None
         async for rec in log_.replay(self.projection.seq + 1):
             self._fold(rec)
         self.metrics.replay_seconds.labels(self.name).set(loop.time() - t0)
@@ -223,7 +193,7 @@ class Service:
         if self.log is None or self.projection.seq == 0:
             return
         try:
-            await self.log.save_snapshot(self.name, self.projection.seq, self.projection.snapshot())
+            await (self.snapshots or self.log).save_snapshot(self.name, self.projection.seq, self.projection.snapshot())
             self._since_snapshot = 0
         except Exception as e:  # noqa: BLE001 - a failed snapshot costs replay time, not correctness
             log.warning("service=%s snapshot failed error=%r", self.name, e)
@@ -231,21 +201,24 @@ class Service:
     # --- events ----------------------------------------------------------------------
 
     def _fold(self, rec: Record) -> Envelope | None:
+        """Fold one record; the envelope for the reaction, or None: unreadable, or recorded invalid."""
         if isinstance(rec, Undecodable):
             if rec.seq > self.projection.seq:
-                self.projection.skip(rec.seq)
+                self.projection.skip(rec.seq, rec.subject)
                 reason = "unknown_type" if rec.unknown_type else "malformed"
                 self.metrics.skipped.labels(self.name, reason).inc()
                 log.warning("service=%s skipped seq=%d reason=%r", self.name, rec.seq, rec.reason)
             return None
-        if self.projection.apply(rec):
-            applied, seq, invalid = self._series
-            applied.inc()
-            seq.set(self.projection.seq)
-            invalid.set(self.projection.invalid_count)
-            self._since_snapshot += 1
-            self.changed.set()
-        return rec
+        if rec.seq and rec.seq <= self.projection.seq:  # a redelivery: its reaction runs again, unless it was rejected
+            return None if self.projection.was_rejected(rec.seq) else rec
+        valid = self.projection.apply(rec)
+        applied, seq, invalid = self._series  # a rejected event is folded too: the position moved past it
+        applied.inc()
+        seq.set(self.projection.seq)
+        invalid.set(self.projection.invalid_count)
+        self._since_snapshot += 1
+        self.changed.set()
+        return rec if valid else None
 
     async def _on_message(self, rec: Record, msg: Msg) -> None:
         env = self._fold(rec)
@@ -257,9 +230,7 @@ class Service:
                 attempts = msg.metadata.num_delivered
                 log.warning("service=%s reaction failed seq=%d type=%s attempt=%d error=%r", self.name, env.seq, env.type, attempts, e)
                 if attempts >= self.max_deliver:
-                    assert self.log is not None
-                    await self.log.dead_letter(msg, self.name, f"{type(e).__name__}: {e}")
-                    self.metrics.dead.labels(self.name).inc()
+                    await self._dead_letter(msg, f"{type(e).__name__}: {e}")
                 else:
                     await msg.nak(delay=min(0.1 * 2**attempts, 5))
                 return
@@ -267,19 +238,37 @@ class Service:
         if self._since_snapshot >= self.snapshot_every:
             await self.save_snapshot()
 
-    async def caught_up(self, seq: int, timeout: float = 2.0) -> bool:
-        """Wait until this service has folded ``seq`` (read-your-writes for an API that just appended)."""
+    async def _dead_letter(self, msg: Msg, reason: str) -> None:
+        """Copy to the dead letters and terminate; if even that fails, terminate anyway: a reaction that keeps
+        failing never takes its process down."""
+        assert self.log is not None
+        try:
+            await self.log.dead_letter(msg, self.name, reason)
+            self.metrics.dead.labels(self.name).inc()
+        except Exception as e:  # noqa: BLE001
+            log.error("service=%s dead-letter failed seq=%d reason=%r error=%r: terminated without a copy",
+                      self.name, msg.metadata.sequence.stream, reason, e)
+            with contextlib.suppress(Exception):
+                await msg.term()
+
+    async def caught_up(self, seq: int, timeout: float | None = None, advice: str = "retry") -> None:
+        """Wait until this service has folded ``seq`` (read-your-writes for an API that just appended); raise
+        NotCaughtUp, ending with ``advice``, after ``timeout`` (default ``catch_up_timeout_s``): an API answers 503
+        rather than from stale state."""
+        timeout = self.catch_up_timeout_s if timeout is None else timeout
         deadline = asyncio.get_running_loop().time() + timeout
         while self.projection.seq < seq:
             if asyncio.get_running_loop().time() > deadline:
-                return False
+                raise NotCaughtUp(self.name, self.projection.seq, seq, timeout, advice)
             await asyncio.sleep(0.005)
-        return True
 
-    async def emit(self, *events: Event, expected_last_subject_seq: int | None = None, epoch: int | None = None) -> list[int]:
-        """Append events as this service (source ``/gpuorch/<name>``); one with an expected sequence is checked."""
+    async def emit(self, *events: Event, expected_last_subject_seq: int | None = None, epoch: int | None = None,
+                   actor: str | None = None) -> list[int]:
+        """Append events as this service (source ``/gpuorch/<name>``); one with an expected sequence is checked.
+        ``actor``: the user whose request caused them (recorded on each, the audit trail)."""
         assert self.log is not None, "service is not running"
-        envs = [Envelope(e, source=f"/gpuorch/{self.name}", epoch=epoch, traceparent=current_traceparent()) for e in events]
+        envs = [Envelope(e, source=f"/gpuorch/{self.name}", epoch=epoch, traceparent=current_traceparent(), actor=actor)
+                for e in events]
         if len(envs) == 1:
             return [await self.log.append(envs[0], expected_last_subject_seq)]
         return await self.log.append_many(envs)
@@ -296,14 +285,19 @@ class Service:
 
 
 def ops_router(services: list[Service]) -> APIRouter:
-    """/healthz, /readyz and /metrics for the services of this process."""
+    """/healthz, /readyz and /metrics for the services of this process; /v1/whoami."""
     r = APIRouter()
 
     @r.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @r.get("/metrics", tags=["ops"])
+    @r.get("/v1/whoami", tags=["ops"])
+    def whoami(p: Annotated[Principal, Depends(caller)]) -> dict[str, Any]:
+        return {"user": p.user, "groups": list(p.groups), "role": p.role, "via": p.via}
+
+    @r.get("/metrics", tags=["ops"], response_class=PlainTextResponse,
+           responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     def metrics() -> Response:
         registries = {id(s.metrics.registry): s.metrics.registry for s in services}
         body = b"".join(generate_latest(reg) for reg in registries.values())
@@ -312,11 +306,13 @@ def ops_router(services: list[Service]) -> APIRouter:
     if not services:  # a gateway answers readiness for the processes behind it
         return r
 
-    @r.get("/readyz", tags=["ops"])
+    @r.get("/readyz", tags=["ops"], responses={503: {"description": "not caught up with the log yet, or the log is unreachable"}})
     def readyz(response: Response) -> dict[str, Any]:
-        ready = all(s.ready.is_set() for s in services)
+        """200 once every service has caught up with the log, and only while the log is reachable."""
+        connected = all(s.log is not None and s.log.nc.is_connected for s in services)
+        ready = connected and all(s.ready.is_set() for s in services)
         response.status_code = 200 if ready else 503
-        return {"ready": ready, "services": {s.name: s.ready.is_set() for s in services}}
+        return {"ready": ready, "log_connected": connected, "services": {s.name: s.ready.is_set() for s in services}}
 
     @r.get("/v1/services", tags=["ops"])
     def service_status() -> list[dict[str, Any]]:
@@ -325,8 +321,17 @@ def ops_router(services: list[Service]) -> APIRouter:
     return r
 
 
-def build_app(services: list[Service], extra_routers: list[APIRouter] = ()) -> FastAPI:
-    app = FastAPI(title="gpuorch", version="0.1.0")
+def build_app(services: list[Service], extra_routers: list[APIRouter] = (), *, auth: "Authenticator | None",
+              max_body_bytes: int | None = None) -> FastAPI:
+    """The HTTP API of these services; every route is checked against the role table (shared/auth.py), every
+    error answers shared.api_errors.ErrorBody, and a body above ``max_body_bytes`` (default: the setting,
+    GPUORCH_MAX_BODY_BYTES) answers 413. ``auth=None`` serves the public routes only (a process that holds no
+    token store)."""
+    from shared.settings import Settings
+
+    app = FastAPI(title="gpuorch", version="0.1.0", dependencies=[Depends(authorize)])
+    api_errors.install(app, Settings().max_body_bytes if max_body_bytes is None else max_body_bytes)
+    app.state.auth = auth
     app.include_router(ops_router(services))
     for s in services:
         if s.router_factory is not None:
@@ -344,9 +349,13 @@ async def run_process(
     extra_routers: list[APIRouter] = (),
     started: Callable[[], None] | None = None,
     signals: "StopSignals | None" = None,
+    auth: "Authenticator | None" = None,
+    before_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Serve the services' HTTP API on host:port and run them until SIGINT/SIGTERM (``signals``: installed earlier)."""
-    server = http_server(build_app(services, list(extra_routers)), host, port)
+    """Serve the services' HTTP API on host:port and run them until SIGINT/SIGTERM (``signals``: installed earlier).
+    ``before_stop``: awaited once the HTTP server has stopped, while the services still run (`gpuorch up` stops
+    its agents then, so that the services record what the agents report as they stop)."""
+    server = http_server(build_app(services, list(extra_routers), auth=auth), host, port)
     tasks = [asyncio.create_task(s.run(log_), name=f"svc-{s.name}") for s in services]
 
     async def _watch() -> None:
@@ -361,11 +370,16 @@ async def run_process(
         started()
     try:
         await serve_until_signal(server, signals)
+        if before_stop is not None:
+            await before_stop()
     finally:
         for s in services:
             s.stop()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
         watcher.cancel()
+    taken = [r for r in results if isinstance(r, InstanceTaken)]
+    if taken:  # an operator's mistake: the reason, no traceback
+        raise SystemExit(f"error: {taken[0]}")
 
 
 def http_server(app: FastAPI, host: str, port: int) -> "uvicorn.Server":

@@ -11,6 +11,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPUORCH_", extra="ignore")
 
     nats_url: str | None = None  # None: start the embedded nats-server on data_dir
+    nats_user: str | None = None  # the bus credentials of this process (GPUORCH_NATS_USER / GPUORCH_NATS_PASSWORD)
+    nats_password: str | None = None
     data_dir: Path = Path(".gpuorch")
     host: str = "127.0.0.1"
     port: int = 8080
@@ -27,7 +29,23 @@ class Settings(BaseSettings):
     max_preemptions_per_hour: int = 3  # thrashing guard: a job preempted this often is left alone
     db_url: str | None = None  # read models: SQLite file under data_dir by default, PostgreSQL by URL
     log_level: str = "INFO"
+    # who may call the API (shared/auth.py): our tokens in KV, and optionally an OIDC issuer's JWTs
+    admin_token: str | None = None  # bootstrap admin token (compose); `gpuorch up` keeps one in <data_dir>/auth/admin.token
+    oidc_issuer: str | None = None
+    oidc_audience: str | None = None
+    oidc_jwks_url: str | None = None  # default: the issuer's discovery document names it
+    oidc_user_claim: str = "preferred_username"
+    oidc_groups_claim: str = "groups"
+    oidc_role_claim: str = "gpuorch_role"
+    oidc_admin_groups: list[str] = []
+    oidc_operator_groups: list[str] = []
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413 (a request becomes one event: keep it below NATS max_payload)
+    submit_rate_per_s: float = 100.0  # jobs per second per user (admins are not limited)
+    submit_burst: int = 1000
+    secret_env_pattern: str = r"(?i)(secret|token|passw(or)?d|api_?key|credential|private_?key|access_?key)"
     autoscale_interval_s: float = 2.0
     stop_pool_nodes_on_exit: bool = True  # simulated pool nodes stop with the stack
     instance: str | None = None  # replica name (durable consumer suffix); default: the host name
     nodes: str = "dgx-h100:2,l4-8x:1,t4-4x:1"  # simulated agents `gpuorch up` starts: profile:count,...
+    providers_file: Path | None = None  # pool providers an admin configured (YAML); None: <data_dir>/providers.yaml if it exists
+    jobfile_map: Path | None = None  # YAML: what this site's Slurm partitions/QOS and Kubernetes priority classes mean (README)

@@ -29,10 +29,6 @@ def setup_tracing(service: str) -> None:
         trace.set_tracer_provider(TracerProvider(resource=Resource.create({"service.name": service})))
 
 
-def tracer(name: str) -> trace.Tracer:
-    return trace.get_tracer(name)
-
-
 def current_traceparent() -> str | None:
     carrier: dict[str, str] = {}
     _propagator.inject(carrier)

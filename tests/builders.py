@@ -3,6 +3,7 @@
     node("n1").gpus(8, model="H100").nvlink_domains(2).rack("r1").build()   -> NodeInfo
     job("train").gpus(8).tasks(4).queue("nlp").build()                     -> JobSpec
     cluster(nodes...).running(spec, on=[("n1", [0, 1])]).pending(spec).snapshot(now)
+    reported(ev.JobTaskExited(job_id="j-1", task=0, node_id="n1", code=0)) -> Envelope from n1's agent
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.scheduler.snapshot import Snapshot, snapshot_from_cluster
-from shared.cluster import ClusterProjection, JobRecord, NodeState
-from shared.events import GpuShare, TaskPlacement
-from shared.model import MILLI, GpuConstraints, GpuInfo, JobSpec, MigSlice, NodeInfo, TaskResources
+from shared import events as ev
+from shared.cluster import ClusterProjection, JobRecord, NodeState, agent_source
+from shared.events import Envelope, GpuShare, TaskPlacement
+from shared.model import MILLI, GpuAmount, GpuConstraints, GpuInfo, JobSpec, MigSlice, NodeInfo, QueueSpec, TaskResources
 
 
 def gpu_uuid(node_id: str, index: int) -> str:
@@ -167,8 +169,14 @@ class JobBuilder:
         self.gpu_["mig"] = profile
         return self
 
+    def command(self, *argv: str) -> "JobBuilder":
+        self.fields["command"] = argv
+        return self
+
     def build(self) -> JobSpec:
-        return JobSpec(name=self.name, resources=TaskResources(**self.res), gpu=GpuConstraints(**self.gpu_), **self.fields)
+        """The spec; it runs `true` unless told otherwise (the API takes no job without a command)."""
+        fields = {"command": ("true",), **self.fields}
+        return JobSpec(name=self.name, resources=TaskResources(**self.res), gpu=GpuConstraints(**self.gpu_), **fields)
 
 
 def job(name: str) -> JobBuilder:
@@ -243,6 +251,12 @@ class ClusterBuilder:
         )
         return self
 
+    def queue(self, path: str, limit: float | None = None, guaranteed: float = 0.0) -> "ClusterBuilder":
+        """A queue as queue.defined leaves it (limit and guarantee in GPU-equivalents)."""
+        self.proj.queues[path] = QueueSpec(guaranteed=GpuAmount(gpus=guaranteed),
+                                           limit=None if limit is None else GpuAmount(gpus=limit))
+        return self
+
     def cordon(self, node_id: str) -> "ClusterBuilder":
         self.proj.nodes[node_id].cordoned = True
         return self
@@ -266,3 +280,8 @@ class ClusterBuilder:
 
 def cluster(*nodes: NodeBuilder | NodeInfo) -> ClusterBuilder:
     return ClusterBuilder(*(n.build() if isinstance(n, NodeBuilder) else n for n in nodes))
+
+
+def reported(event: ev.JobTaskStarted | ev.JobTaskExited) -> Envelope:
+    """A task report as its node's agent appends it: projections take task reports from that agent only."""
+    return Envelope(event, source=agent_source(event.node_id))

@@ -45,7 +45,7 @@ async def _wipe(url: str) -> None:
     nc = await nats.connect(url)
     js = nc.jetstream()
     for stream in ("GPUORCH", "GPUORCH_DLQ", "GPUORCH_TELEMETRY", "KV_gpuorch_leases", "KV_gpuorch_heartbeats",
-                   "OBJ_gpuorch-snapshots"):
+                   "OBJ_gpuorch-snapshots", "KV_gpuorch_instances"):
         try:
             await js.delete_stream(stream)
         except Exception:  # noqa: BLE001 - absent is fine

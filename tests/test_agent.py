@@ -59,12 +59,11 @@ async def test_a_task_exiting_3_fails_the_job_with_code_3_also_under_a_relative_
         assert err["data"] == "oops\n"
 
 
-async def test_an_agent_killed_while_its_task_runs_re_adopts_it_and_never_starts_it_twice(eventlog: EventLog, agents, tmp_path):
+async def test_an_agent_killed_while_its_task_runs_re_adopts_it_and_never_starts_it_twice(eventlog: EventLog, agents):
     async with in_process_stack(eventlog) as (client, services):
         agent = agents("a")[0]
         await nodes_up(client, 1)
-        marker = tmp_path / "runs"
-        cmd = ("sh", "-c", f"echo run >> {marker}; sleep 2")
+        cmd = ("sh", "-c", "echo run >> runs; sleep 2")  # in its work dir: it runs as its owner, not as us
         spec = job("long").gpus(1).build().model_copy(update={"command": cmd})
         job_id = (await client.post("/v1/jobs", json=spec.model_dump(mode="json"))).json()["id"]
         await until(lambda: _state_is(client, job_id, "running"), 20, "the task to start")
@@ -74,6 +73,7 @@ async def test_an_agent_killed_while_its_task_runs_re_adopts_it_and_never_starts
         assert done["state"] == "succeeded"
         history = (await client.get(f"/v1/jobs/{job_id}/events")).json()
         assert [h["type"].split(".")[3] for h in history].count("task_started") == 1
+        [marker] = agent.work.glob(f"jobs/{job_id}/*/0/work/runs")
         assert marker.read_text() == "run\n", "the command ran exactly once"
 
 

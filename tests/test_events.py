@@ -75,3 +75,56 @@ def test_every_type_exports_a_json_schema(tmp_path):
 def test_subjects_are_one_token_per_id_even_for_dotted_queue_paths():
     e = ev.QueueDefined(path="research.nlp", spec={})
     assert e.nats_subject == "gpuorch.events.queue.research:nlp"
+
+
+def _stored(ce_type: str, data: dict) -> bytes:
+    """A CloudEvent as anyone with publish rights could store it: no pydantic model checked it on the way in."""
+    return json.dumps({"specversion": "1.0", "id": "forged", "source": "/gpuorch/scheduler", "type": f"io.gpuorch.{ce_type}.v1",
+                       "time": "2026-01-01T00:00:00Z", "data": data}).encode()
+
+
+def _placed(task: int = 0, node_id: str = "n1", uuid: str = "GPU-n1-0", job_id: str = "j-1") -> dict:
+    return {"job_id": job_id, "placements": [{"task": task, "node_id": node_id, "gpus": [{"uuid": uuid}]}]}
+
+
+@pytest.mark.parametrize("ce_type,data", [
+    pytest.param("job.placed", _placed(job_id="../../../../x"), id="job id climbing out of the agent's work dir"),
+    pytest.param("job.submitted", {"job_id": "j-1/..", "spec": {"name": "x"}}, id="job id with a slash"),
+    pytest.param("job.queued", {"job_id": "J-UPPER"}, id="job id in upper case"),
+    pytest.param("job.queued", {"job_id": "j" * 82}, id="job id too long"),
+    pytest.param("job.placed", _placed(task=-1), id="negative task index"),
+    pytest.param("job.task_started", {"job_id": "j-1", "task": -3, "node_id": "n1"}, id="negative task reported"),
+    pytest.param("job.placed", _placed(node_id="../n1"), id="node id climbing"),
+    pytest.param("job.task_exited", {"job_id": "j-1", "task": 0, "node_id": "n1 n2"}, id="node id with a space"),
+    pytest.param("node.cordoned", {"node_id": "n1.>"}, id="node id with a subject wildcard"),
+    pytest.param("node.registered", {"node_id": "n1", "node": {"node_id": "../n1"}}, id="registered node's own id"),
+    pytest.param("job.placed", _placed(uuid="GPU-0,GPU-1"), id="gpu uuid that would widen CUDA_VISIBLE_DEVICES"),
+    pytest.param("gpu.unhealthy", {"node_id": "n1", "gpu_uuid": "GPU-0\n", "kind": "xid"}, id="gpu uuid with a newline"),
+    pytest.param("pool.node_provisioned", {"pool": "../pool", "node_id": "n1"}, id="pool name"),
+    pytest.param("deployment.scaled", {"name": "Web_1", "replicas": 1}, id="deployment name"),
+])
+def test_an_id_that_could_escape_a_path_or_a_subject_fails_decode_whatever_its_source(ce_type: str, data: dict):
+    with pytest.raises(MalformedEvent):
+        decode(_stored(ce_type, data))
+
+
+@pytest.mark.parametrize("ce_type,data", [
+    pytest.param("job.placed", _placed(job_id=ev.new_id("j-")), id="api job id"),
+    pytest.param("job.placed", _placed(job_id="victim", node_id="dgx-h100-0", uuid="GPU-3f1c0e2a-9b7d-5c44-8e21-0a6b9f3d2c11"),
+                 id="profile node and nvml gpu"),
+    pytest.param("job.placed", _placed(node_id="gpu_pool-12-0.rack1", uuid="MIG-GPU-3f1c0e2a/1/0"), id="pool node, old mig"),
+    pytest.param("gpu.unhealthy", {"node_id": "n1", "gpu_uuid": "unknown:n1:0", "kind": "lost"}, id="undiscovered gpu"),
+    pytest.param("pool.node_provisioned", {"pool": "gpu-pool", "node_id": "gpu-pool-12-0"}, id="pool"),
+])
+def test_the_ids_in_use_decode(ce_type: str, data: dict):
+    decode(_stored(ce_type, data))
+
+
+def test_a_nul_byte_that_reached_the_log_never_reaches_an_agent():
+    """A forged job.submitted with NUL in its env or command fails to decode: skipped and counted, never started."""
+    for spec in ({"name": "x", "command": ["true"], "env": {"A": "x\u0000y"}}, {"name": "x", "command": ["a\u0000"]},
+                 {"name": "x", "command": ["true"], "env": {"A=B": "1"}}):
+        body = json.dumps({"specversion": "1.0", "id": "f", "source": "/forged", "type": "io.gpuorch.job.submitted.v1",
+                           "time": "2026-11-24T00:00:00Z", "data": {"job_id": "j-1", "spec": spec}}).encode()
+        with pytest.raises(MalformedEvent):
+            decode(body, 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
+from prometheus_client import generate_latest
 
 from bench.workload import workload
 from services.scheduler.projection import SchedulerProjection
@@ -12,7 +12,7 @@ from shared import events as ev
 from shared.eventlog import EventLog, Undecodable
 from shared.events import Envelope
 from shared.natsd import NatsServer
-from shared.runtime import Service, build_app
+from shared.runtime import Service
 from tests.support import eventually, running
 
 
@@ -81,8 +81,7 @@ async def test_unknown_and_malformed_events_are_skipped_counted_and_logged(event
         await eventlog.append(Envelope(ev.JobSubmitted(job_id="j-ok", spec={"name": "ok"})))
         await eventually(lambda: "j-ok" in svc.projection.jobs, what="the service to keep going")
         assert svc.projection.seq == 3
-        metrics = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app([svc])), base_url="http://t")
-        text = (await metrics.get("/metrics")).text
+        text = generate_latest(svc.metrics.registry).decode()
         assert 'gpuorch_events_skipped_total{reason="unknown_type",service="scheduler"} 1.0' in text
         assert 'gpuorch_events_skipped_total{reason="malformed",service="scheduler"} 1.0' in text
     assert any("skipped seq=1" in r.getMessage() and "unknown event type" in r.getMessage() for r in caplog.records)
@@ -143,3 +142,69 @@ async def test_services_reconnect_and_catch_up_when_nats_server_restarts(nats_se
     finally:
         await log.close()
         await writer.close()
+
+
+def metric(svc: Service, line_start: str) -> float:
+    from prometheus_client import generate_latest
+
+    for line in generate_latest(svc.metrics.registry).decode().splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_an_event_with_a_forged_job_id_is_skipped_counted_and_never_reacted_to(eventlog: EventLog):
+    seen: list[Envelope] = []
+
+    async def react(env: Envelope) -> None:
+        seen.append(env)
+
+    svc = scheduler(reaction=react)
+    async with running(svc, eventlog):
+        forged = json.loads(Envelope(ev.JobSubmitted(job_id="j-x", spec={"name": "x"}), source="/gpuorch/scheduler").encode())
+        forged["data"]["job_id"] = "../../../../x"  # would make the agent write its task directory outside its work dir
+        await eventlog.js.publish("gpuorch.events.job.x", json.dumps(forged).encode())
+        await eventlog.append(Envelope(ev.JobSubmitted(job_id="j-ok", spec={"name": "ok"})))
+        await eventually(lambda: len(seen) == 1, what="the good event's reaction")
+        assert svc.projection.seq == 2 and list(svc.projection.jobs) == ["j-ok"]
+        assert [e.seq for e in seen] == [2]
+        assert metric(svc, 'gpuorch_events_skipped_total{reason="malformed",service="scheduler"}') == 1
+
+
+async def test_a_rejected_transition_is_folded_but_not_passed_to_the_reaction(eventlog: EventLog):
+    from tests.builders import gpu_uuid, node
+
+    seen: list[Envelope] = []
+
+    async def react(env: Envelope) -> None:
+        seen.append(env)
+
+    def placed(gpu: int) -> Envelope:
+        share = ev.GpuShare(uuid=gpu_uuid("n1", gpu))
+        return Envelope(ev.JobPlaced(job_id="j-1", placements=(ev.TaskPlacement(task=0, node_id="n1", gpus=(share,)),)))
+
+    svc = scheduler(reaction=react)
+    async with running(svc, eventlog):
+        await eventlog.append_many([
+            Envelope(ev.NodeRegistered(node_id="n1", node=node("n1").gpus(2).build())),
+            Envelope(ev.JobSubmitted(job_id="j-1", spec={"name": "one"})),
+            Envelope(ev.JobQueued(job_id="j-1")),
+            placed(0),
+            placed(1),  # placed already: an agent reacting to it would start a second copy of the task
+            Envelope(ev.JobCancelled(job_id="j-1")),
+        ])
+        await eventually(lambda: len(seen) == 5, what="five reactions")
+        assert [e.data.TYPE for e in seen] == ["node.registered", "job.submitted", "job.queued", "job.placed", "job.cancelled"]
+        assert svc.projection.seq == 6 and svc.projection.invalid_count == 1
+        assert metric(svc, 'gpuorch_events_applied_total{service="scheduler"}') == 6  # folded, all of them
+        assert svc.projection.jobs["j-1"].state == "cancelled"
+
+
+def test_a_redelivered_event_is_reacted_to_again_unless_it_was_rejected():
+    svc = scheduler()
+    submitted = Envelope(ev.JobSubmitted(job_id="j-1", spec={"name": "one"}), seq=1)
+    twice = Envelope(ev.JobSubmitted(job_id="j-1", spec={"name": "one"}), seq=2)
+    assert svc._fold(submitted) is submitted and svc._fold(twice) is None
+    assert svc._fold(submitted) is submitted, "a redelivery after a failed reaction runs the reaction again"
+    assert svc._fold(twice) is None, "a rejected event stays rejected when it comes again"
+    assert svc.projection.applied == 2 and svc.projection.seq == 2

@@ -12,7 +12,7 @@ import pytest
 from typer import Typer
 from typer.testing import CliRunner
 
-from services.scheduler.placement import NodeScorer, choose_node, take
+from services.scheduler.placement import NodeScorer
 from services.simulate import log_report, simulate
 from services.simulation.engine import Simulation, live_policy, simulate_jobs
 from services.simulation.paper import Placer, arrivals, discretise, free_nodes, run_paper, target_workload
@@ -21,6 +21,7 @@ from services.simulation.traces import OpenbNode, OpenbPod, TraceJob, philly_spl
 from shared.eventlog import EventLog
 from shared.settings import Settings
 from tests.builders import job, node
+from tests.scheduler.reference_scores import RefNode, RefPod, best, commit, typical_pods
 from tests.support import eventually, in_process_stack
 
 # --- builders --------------------------------------------------------------------------
@@ -87,17 +88,32 @@ def timeless(doc: dict) -> dict:
 
 
 @pytest.mark.parametrize("policy", ["fgd", "fgd+", "bestfit", "dotprod", "gpupacking", "gpuclustering"])
-def test_the_class_placer_places_every_pod_exactly_as_choose_node(policy: str) -> None:
+def test_the_class_placer_puts_every_pod_on_a_best_scoring_node_with_the_policys_gpus(policy: str) -> None:
+    # the oracle scores every node with the method's formulas (tests/scheduler/reference_scores.py), not NodeScorer
     nodes, pods = openb_like(40, 260)
+    shapes = typical_pods(p.typical_key for p in pods)
     typical = target_workload(pods)
+    assert [(t.cpu, t.milli, t.count, t.models) for t in shapes] == [
+        (t.cpu_milli, t.gpu_milli, t.gpu_count, t.models) for t in typical]
+    assert [t.p for t in shapes] == pytest.approx([t.probability for t in typical], rel=1e-12)
     arr = arrivals(nodes, pods, seed=7)
     fast = Placer(free_nodes(nodes, arr.priority), NodeScorer(policy, typical, 7))
-    plain, scorer = free_nodes(nodes, arr.priority), NodeScorer(policy, typical, 7)
+    ref = [RefNode(n.name, n.model, n.cpu, n.mem, [1000] * n.gpus) for n in nodes]
+    seen = {"failed": 0, "tie broken": 0, "shared GPU": 0}
     for p in arr.pods:
-        expected = choose_node(plain, p.shape, scorer)
-        if expected is not None:
-            take(plain[expected[0]], p.shape, expected[1])
-        assert fast.place(p.shape) == expected
+        pod = RefPod(p.cpu, p.mem, p.count, p.milli, p.models if p.count else ())
+        top = best(policy, ref, pod, shapes)
+        got = fast.place(p.shape)
+        if not top:
+            assert got is None, f"{p.name}: placed on {got}, but no node is feasible"
+            seen["failed"] += 1
+            continue
+        winner = min(top, key=lambda i: arr.priority[i])  # ties go to the smallest node priority (§0)
+        assert got == (winner, top[winner]), f"{p.name} {pod}: best {top}, placed {got}"
+        commit(ref[winner], pod, top[winner])
+        seen["tie broken"] += len(top) > 1
+        seen["shared GPU"] += pod.sharing and ref[winner].free[top[winner][0]] > 0
+    assert all(seen.values()), f"every case reached: {seen}"
 
 
 def test_the_paper_method_is_reproducible_for_a_seed_and_varies_across_seeds() -> None:

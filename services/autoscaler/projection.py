@@ -8,10 +8,11 @@ from shared.events import Envelope, TaskPlacement
 
 class AutoscalerProjection(ClusterProjection):
     name = "autoscaler"
+    SNAPSHOT_VERSION = 1
 
     def __init__(self) -> None:
         super().__init__()
-        self.pools: dict[str, dict[str, Any]] = {}  # name -> {"spec": {...}, "nodes": [...], "in_flight": n}
+        self.pools: dict[str, dict[str, Any]] = {}  # name -> {"spec": {...}, "provider": name, "nodes": [...], "in_flight": n}
         self.deployments: dict[str, dict[str, Any]] = {}  # name -> {"spec": {...}, "replicas": n}
         self.idle_since: dict[str, float] = {}  # node -> when it last became empty
 
@@ -28,10 +29,8 @@ class AutoscalerProjection(ClusterProjection):
     def on_pool_defined(self, env: Envelope, e: ev.PoolDefined) -> None:
         super().on_pool_defined(env, e)
         old = self.pools.get(e.pool, {"nodes": [], "in_flight": 0})
-        spec = e.model_dump(mode="json", exclude={"pool", "provider", "provision_command", "terminate_command"})
-        self.pools[e.pool] = {"spec": spec, "nodes": old["nodes"], "in_flight": old["in_flight"],
-                              "provider": {"kind": e.provider, "provision": list(e.provision_command),
-                                           "terminate": list(e.terminate_command)}}
+        spec = e.model_dump(mode="json", exclude={"pool", "provider"})
+        self.pools[e.pool] = {"spec": spec, "provider": e.provider, "nodes": old["nodes"], "in_flight": old["in_flight"]}
 
     def on_pool_scale_requested(self, env: Envelope, e: ev.PoolScaleRequested) -> None:
         if e.pool not in self.pools:
@@ -90,3 +89,6 @@ class AutoscalerProjection(ClusterProjection):
     def load(self, state: dict[str, Any]) -> None:
         super().load(state)
         self.pools, self.deployments, self.idle_since = state["pools"], state["deployments"], state["idle_since"]
+        for pool in self.pools.values():  # a snapshot from before pool.defined v2 held commands: keep the name only
+            if isinstance(pool["provider"], dict):
+                pool["provider"] = pool["provider"]["kind"]

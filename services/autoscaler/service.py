@@ -3,6 +3,10 @@
 Run by the holder of the ``autoscaler`` lease. Nodes requested but not yet
 registered count as hypothetical nodes in the next plan, so a slow provider is
 never asked twice for the same gang.
+
+A pool names its provider; the name is resolved against the admin's providers file
+when the autoscaler acts, so nothing in the log can make it run a command. A pool
+whose provider is not configured here is left alone, and says why.
 """
 
 from __future__ import annotations
@@ -10,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
 from services.autoscaler.api import router
 from services.autoscaler.projection import AutoscalerProjection
-from services.autoscaler.providers import CommandProvider, ProviderError, SimulatedProvider
+from services.autoscaler.providers import (SIMULATED, CommandProvider, ProviderError, ProvidersFileError,
+                                          SimulatedProvider, load_providers, providers_path)
 from services.autoscaler.scaling import ReplicaHistory, desired_replicas, scale_down, scale_up
 from services.scheduler.snapshot import node_snap, snapshot_from_cluster
 from shared import events as ev
@@ -24,21 +30,29 @@ from shared.events import Envelope, new_id
 from shared.fairshare import Ratios, job_share
 from shared.leadership import Leadership
 from shared.model import JobSpec
-from shared.profiles import build as build_profile
-from shared.runtime import Metrics, Service
+from shared.natsauth import Credentials
+from shared.profiles import PROFILES, build as build_profile
+from shared.runtime import Metrics, NotCaughtUp, Service
 from shared.settings import Settings
 
 log = logging.getLogger("gpuorch.autoscaler")
 
 
 class Autoscaler:
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``clock``: the time decisions are made at (epoch seconds): idle timeouts, replica history, metrics."""
         self.settings = settings
+        self.clock = clock
         self.interval = settings.autoscale_interval_s
-        self.leadership = Leadership("autoscaler")
+        self.leadership = Leadership("autoscaler", source="/gpuorch/autoscaler")
         self.metrics_in: dict[str, tuple[float, float]] = {}  # deployment -> (pending requests, when posted)
         self.history: dict[str, ReplicaHistory] = {}
         self.simulated: SimulatedProvider | None = None
+        self.providers = {name: CommandProvider.from_config(c) for name, c in load_providers(providers_path(settings)).items()}
+        self.unscaled: dict[str, str] = {}  # pool -> why it is left alone (logged once)
+        self.failures: dict[str, str] = {}  # pool -> what failed when it last grew or shrank (logged once)
+        self.deployment_failures: dict[str, str] = {}  # deployment -> what failed when it last scaled
         self.svc = Service(
             "autoscaler", AutoscalerProjection(), timers=[self.leadership.hold, self.loop],
             router=lambda svc: router(svc, self), snapshot_every=settings.snapshot_every, metrics=metrics,
@@ -49,15 +63,37 @@ class Autoscaler:
     def proj(self) -> AutoscalerProjection:
         return self.svc.projection  # type: ignore[return-value]
 
+    def provider_names(self) -> list[str]:
+        return [SIMULATED, *sorted(self.providers)]
+
+    def config_error(self, pool: str) -> str | None:
+        """Why this pool cannot be scaled as defined (a provider not configured here, a profile this release does
+        not know: an old or forged pool.defined); None if it can."""
+        profile = self.proj.pools[pool]["spec"].get("profile")
+        if profile not in PROFILES:
+            return f"unknown node profile {profile!r}; profiles: {', '.join(PROFILES)}"
+        name = self.proj.pools[pool]["provider"]
+        if name == SIMULATED or name in self.providers:
+            return None
+        return f"provider {name!r} is not configured on this server"
+
+    def provider_error(self, pool: str) -> str | None:
+        """What keeps the pool from scaling (GET /v1/pools): its definition, or what failed when it last acted."""
+        return self.config_error(pool) or self.failures.get(pool)
+
     def provider(self, pool: str) -> SimulatedProvider | CommandProvider:
-        conf = self.proj.pools[pool]["provider"]
-        if conf["kind"] == "command":
-            return CommandProvider(conf["provision"], conf["terminate"])
+        if why := self.config_error(pool):
+            raise ProviderError(why)
+        name = self.proj.pools[pool]["provider"]
+        if name != SIMULATED:
+            return self.providers[name]
         if self.simulated is None:
             assert self.svc.log is not None
             url = self.svc.log.nc.connected_url
             nats_url = f"nats://{url.hostname}:{url.port}" if url else (self.settings.nats_url or "")
-            self.simulated = SimulatedProvider(nats_url, Path(self.settings.data_dir) / "pools", self.settings.host)
+            creds = Credentials.of_data_dir(Path(self.settings.data_dir))
+            self.simulated = SimulatedProvider(nats_url, Path(self.settings.data_dir) / "pools", self.settings.host,
+                                               creds if creds.path.exists() else None, self.svc.log.replicas)
         return self.simulated
 
     async def emit(self, event: ev.Event, event_id: str | None = None) -> int:
@@ -72,12 +108,14 @@ class Autoscaler:
                 await asyncio.sleep(self.interval)
                 if not self.leadership.leader.is_set():
                     continue
-                try:
-                    now = time.time()
-                    await self.scale_pools(now)
-                    await self.scale_deployments(now)
-                except Exception:  # noqa: BLE001 - logged; the next tick decides again
-                    log.exception("event=autoscale_failed")
+                t0 = time.perf_counter()
+                now = self.clock()
+                for step in (self.scale_pools, self.scale_deployments):  # a failure of one never stops the other
+                    try:
+                        await step(now)
+                    except Exception:  # noqa: BLE001 - logged; the next tick decides again
+                        log.exception("event=autoscale_failed step=%s", step.__name__)
+                self.svc.metrics.cycle_seconds.labels("autoscaler").observe(time.perf_counter() - t0)
         finally:
             if self.simulated is not None and self.settings.stop_pool_nodes_on_exit:
                 self.simulated.stop_all()
@@ -86,7 +124,7 @@ class Autoscaler:
 
     async def scale_pools(self, now: float) -> None:
         proj = self.proj
-        pools = proj.pool_states()
+        pools = [p for p in proj.pool_states() if self._scalable(p.spec.name)]
         if not pools:
             return
         snap = snapshot_from_cluster(proj, now)
@@ -103,11 +141,35 @@ class Autoscaler:
             plan[p.spec.name] = max(plan.get(p.spec.name, 0), p.spec.min_nodes - p.size)
         for pool, k in plan.items():
             if k > 0:
-                await self.grow(pool, k)
+                await self._isolated(pool, self.grow(pool, k))
         busy = {n: bool(s.gpu_alloc or s.cpu_alloc) for n, s in proj.nodes.items()}
         for pool, nodes in scale_down(pools, busy, proj.idle_since, now).items():
             for node_id in nodes:
-                await self.shrink(pool, node_id)
+                await self._isolated(pool, self.shrink(pool, node_id))
+
+    async def _isolated(self, name: str, action: Awaitable[None], failures: dict[str, str] | None = None) -> None:
+        """One pool's (or deployment's) failure is its own: recorded (GET /v1/pools shows a pool's), logged once,
+        and the others go on."""
+        failures = self.failures if failures is None else failures
+        try:
+            await action
+        except Exception as e:  # noqa: BLE001
+            why = f"{type(e).__name__}: {e}"
+            if failures.get(name) != why:
+                log.exception("event=scaling_failed name=%s", name)
+            failures[name] = why
+        else:
+            failures.pop(name, None)
+
+    def _scalable(self, pool: str) -> bool:
+        why = self.config_error(pool)
+        if why is None:
+            self.unscaled.pop(pool, None)
+            return True
+        if self.unscaled.get(pool) != why:
+            log.warning("event=pool_not_scaled pool=%s reason=%r", pool, why)
+            self.unscaled[pool] = why
+        return False
 
     def _at_limit(self, queue: str, job, alloc: dict[str, float], ratios: Ratios) -> bool:
         spec = self.proj.queues.get(queue)
@@ -128,6 +190,7 @@ class Autoscaler:
             real_id = await self.provider(pool).provision(pool, profile, node_id)
         except (ProviderError, OSError, asyncio.TimeoutError) as e:
             log.error("event=provision_failed pool=%s node=%s error=%s", pool, node_id, e)
+            self.failures[pool] = f"provision failed: {e}"
             await self.emit(ev.PoolScaleRequested(pool=pool, delta=-1, reason=f"provision failed: {e}"))
             return
         await self.emit(ev.PoolNodeProvisioned(pool=pool, node_id=real_id), f"{real_id}-provisioned")
@@ -144,8 +207,8 @@ class Autoscaler:
             log.error("event=terminate_failed pool=%s node=%s error=%s", pool, node_id, e)
             return
         seq = await self.emit(ev.PoolNodeTerminated(pool=pool, node_id=node_id), f"{node_id}-terminated")
-        await self.svc.caught_up(seq)
         log.info("event=node_terminated pool=%s node=%s", pool, node_id)
+        await self.settle(seq)
 
     # --- inference deployments -------------------------------------------------------------
 
@@ -155,29 +218,42 @@ class Autoscaler:
 
     async def scale_deployments(self, now: float) -> None:
         for name, dep in sorted(self.proj.deployments.items()):
-            spec = self.proj.deployment_spec(name)
-            live = self.replicas_of(name)
-            pending, _ = self.metrics_in.get(name, (0.0, 0.0))
-            want = desired_replicas(spec, len(live), pending, now, self.history.setdefault(name, ReplicaHistory()))
-            if want == len(live):
-                continue
-            log.info("event=deployment_scaled deployment=%s from=%d to=%d pending=%s", name, len(live), want, pending)
-            if want > len(live):
-                job = JobSpec.model_validate({**dep["spec"]["job"], "env": {**dep["spec"]["job"].get("env", {}),
-                                                                          "GPUORCH_DEPLOYMENT": name}})
-                for _ in range(want - len(live)):
-                    job_id = new_id("j-")
-                    assert self.svc.log is not None
-                    await self.svc.log.append_many([
-                        Envelope(ev.JobSubmitted(job_id=job_id, spec=job), id=f"{job_id}-submitted", source="/gpuorch/autoscaler"),
-                        Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source="/gpuorch/autoscaler"),
-                    ])
-            else:
-                for job_id in sorted(live)[want:]:
-                    await self.emit(ev.JobCancelled(job_id=job_id, reason=f"deployment {name} scaled down"))
-            seq = await self.emit(ev.DeploymentScaled(name=name, replicas=want))
-            await self.svc.caught_up(seq)
+            await self._isolated(name, self.scale_deployment(name, dep, now), self.deployment_failures)
 
+    async def scale_deployment(self, name: str, dep: dict, now: float) -> None:
+        spec = self.proj.deployment_spec(name)
+        live = self.replicas_of(name)
+        pending, _ = self.metrics_in.get(name, (0.0, 0.0))
+        want = desired_replicas(spec, len(live), pending, now, self.history.setdefault(name, ReplicaHistory()))
+        if want == len(live):
+            return
+        log.info("event=deployment_scaled deployment=%s from=%d to=%d pending=%s", name, len(live), want, pending)
+        if want > len(live):
+            job = JobSpec.model_validate({**dep["spec"]["job"], "env": {**dep["spec"]["job"].get("env", {}),
+                                                                      "GPUORCH_DEPLOYMENT": name}})
+            for _ in range(want - len(live)):
+                job_id = new_id("j-")
+                assert self.svc.log is not None
+                await self.svc.log.append_many([
+                    Envelope(ev.JobSubmitted(job_id=job_id, spec=job, owner=dep["spec"].get("owner")),
+                             id=f"{job_id}-submitted", source="/gpuorch/autoscaler"),
+                    Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source="/gpuorch/autoscaler"),
+                ])
+        else:
+            for job_id in sorted(live)[want:]:
+                await self.emit(ev.JobCancelled(job_id=job_id, reason=f"deployment {name} scaled down"))
+        seq = await self.emit(ev.DeploymentScaled(name=name, replicas=want))
+        await self.settle(seq)
+
+    async def settle(self, seq: int) -> None:
+        """Wait for the fold to reach an own decision, so the next one is made on it."""
+        try:
+            await self.svc.caught_up(seq)
+        except NotCaughtUp as e:
+            log.warning("event=autoscaler_not_caught_up reason=%r", str(e))
 
 def build(settings: Settings, metrics: Metrics | None = None) -> Service:
-    return Autoscaler(settings, metrics).svc
+    try:
+        return Autoscaler(settings, metrics).svc
+    except ProvidersFileError as e:  # an operator's mistake: say which file and field, no traceback
+        raise SystemExit(f"error: {e}") from None

@@ -20,6 +20,7 @@ def decided_by_health(env: Envelope) -> bool:
 
 class HealthProjection(ClusterProjection):
     name = "health"
+    SNAPSHOT_VERSION = 1
 
     def __init__(self) -> None:
         super().__init__()

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -28,9 +29,10 @@ from services.health.rules import Fault, GpuWatch, HealthPolicy
 from shared import events as ev
 from shared.eventlog import HEARTBEAT_BUCKET, TELEMETRY_STREAM, ConcurrencyConflict
 from shared.events import Envelope
+from shared.natsauth import node_of_subject
 from shared.leadership import Leadership
 from shared.aio import wait_event
-from shared.runtime import Metrics, Service
+from shared.runtime import Metrics, NotCaughtUp, Service
 from shared.settings import Settings
 
 log = logging.getLogger("gpuorch.health")
@@ -40,13 +42,17 @@ RELEVANT = ("node.", "gpu.", "job.task_", "job.placed", "job.preempt", "job.requ
 
 
 class Health:
-    def __init__(self, settings: Settings, metrics: Metrics | None = None, policy: HealthPolicy | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None, policy: HealthPolicy | None = None, *,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the time rounds decide at (epoch seconds: time limits, auto-resume); ``monotonic``: the time
+        heartbeats are timed by (a node is lost after ``heartbeat_timeout_s`` of it without a beat)."""
         self.policy = policy or HealthPolicy(heartbeat_timeout_s=settings.heartbeat_timeout_s)
+        self.clock = clock
         self.tick = min(1.0, self.policy.heartbeat_timeout_s / 4)
         self.debounce = settings.debounce_s
         self.wake = asyncio.Event()
-        self.leadership = Leadership("health", on_acquired=self.wake.set)
-        self.heartbeats = Heartbeats()
+        self.leadership = Leadership("health", source=SOURCE, on_acquired=self.wake.set)
+        self.heartbeats = Heartbeats(clock=monotonic)
         self.kv: Any = None
         self.gpus: dict[str, GpuWatch] = {}  # gpu uuid -> what the telemetry rules remember
         self.bad_seen: dict[str, float] = {}  # node -> last time telemetry still looked unhealthy
@@ -95,7 +101,7 @@ class Health:
                         msg = await sub.next_msg(timeout=1)
                     except (asyncio.TimeoutError, nats.errors.TimeoutError):
                         continue
-                    await self.on_telemetry(msg.data)
+                    await self.on_telemetry(msg.subject, msg.data)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - NATS away: subscribe again
@@ -108,12 +114,26 @@ class Health:
                     except Exception:  # noqa: BLE001
                         pass
 
-    async def on_telemetry(self, body: bytes) -> None:
+    async def on_telemetry(self, subject: str, body: bytes) -> None:
+        """A sample or an XID, believed only about the node whose subject it came on (the bus checked who
+        published there) and only for that node's own GPUs."""
         try:
             doc = json.loads(body)
             node_id, t = str(doc["node_id"]), float(doc["t"])
         except (ValueError, KeyError, TypeError):
             log.debug("telemetry unreadable body=%r", body[:200])
+            return
+        if node_id != node_of_subject(subject, "gpuorch.telemetry"):
+            log.warning("event=telemetry_refused subject=%s node=%s reason=not_this_nodes_subject", subject, node_id)
+            return
+        node = self.proj.nodes.get(node_id)
+        if node is None:
+            log.debug("event=telemetry_ignored node=%s reason=not_registered_yet", node_id)
+            return
+        gpus = {g.uuid for g in node.info.gpus} | {m.uuid for g in node.info.gpus for m in g.mig_slices}
+        if ("xid" in doc and str(doc.get("gpu_uuid") or "") not in gpus) or any(
+                str(g.get("uuid", "")) not in gpus for g in doc.get("gpus") or ()):
+            log.warning("event=telemetry_refused subject=%s node=%s reason=gpu_of_another_node", subject, node_id)
             return
         faults: list[Fault] = []
         if "xid" in doc:
@@ -143,7 +163,7 @@ class Health:
         last = await self.append_all(decisions.mark(self.proj, fault, self.policy))
         if last:
             self.wake.set()
-            await self.svc.caught_up(last, timeout=5)
+            await self.settle(last)
 
     async def decide_loop(self, svc: Service) -> None:
         while not svc.stop_event.is_set():
@@ -153,11 +173,19 @@ class Health:
             if not self.leader.is_set() or not svc.ready.is_set():
                 continue
             try:
-                last = await self.decide_once(time.time())
+                last = await self.decide_once(self.clock())
                 if last:
-                    await svc.caught_up(last, timeout=5)
+                    await self.settle(last)
             except Exception:  # noqa: BLE001 - a failed round is logged and retried on the next tick
                 log.exception("event=health_round_failed")
+
+    async def settle(self, seq: int) -> None:
+        """Wait for the fold to reach this round's own decisions, so the next round does not make them again (if
+        it does, their ids deduplicate them)."""
+        try:
+            await self.svc.caught_up(seq, timeout=5)
+        except NotCaughtUp as e:
+            log.warning("event=health_not_caught_up reason=%r", str(e))
 
     async def nap(self) -> None:
         await wait_event(self.wake, self.tick)
@@ -168,10 +196,11 @@ class Health:
                    await self.append_all(decisions.round_of(self.proj, now, self.policy, self.bad_seen)))
 
     async def find_lost_nodes(self) -> int:
+        """node.lost for each watched node silent for longer than the timeout, on the heartbeats' clock."""
         watched = {n: self.proj.registrations.get(n, 0) for n, s in self.proj.nodes.items()
                    if not s.lost and (s.info.agent_url or n in self.heartbeats.seen)}
         found = []
-        for node_id, silent_s in rules.lost_nodes(self.heartbeats.last_beats(watched), time.monotonic(),
+        for node_id, silent_s in rules.lost_nodes(self.heartbeats.last_beats(watched), self.heartbeats.clock(),
                                                   self.policy.heartbeat_timeout_s):
             if self.kv is not None and await self.heartbeats.still_silent(self.kv, node_id):
                 found.append(decisions.node_lost(self.proj, node_id, silent_s, self.policy))

@@ -1,10 +1,21 @@
 """The node agent: registers its GPUs, heartbeats, samples telemetry, and runs the tasks placed on it.
 
 Each task runs under ``launcher.py`` in its own session, in one directory per
-(job, attempt, task) holding its logs, its pid and, at the end, its exit. The
-directory is the agent's memory across restarts: a task whose directory says
-"started" is never started again; a restarted agent re-adopts a live one and
-reports a vanished one as lost.
+(job, attempt, task) holding its logs, its pid and, at the end, its exit (layout:
+``taskdir``). The directory is the agent's memory across restarts: a task whose
+directory says "started" is never started again; a restarted agent re-adopts a
+live one and reports a vanished one as lost. A simulated node that powers off with
+its agent (``--kill-tasks-on-exit``) records its tasks as interrupted before it
+kills them: they are reported so, now or when it starts again, and their jobs go
+back to the queue.
+
+Reports go through an outbox (``outbox``): in order, retried until the bus
+acknowledges them, whatever the outage; nothing waits on them.
+
+A task gets its job's environment only, and a root agent runs it as its owner
+(``runas``), in a ``work/`` directory of its own: it cannot touch its logs or the
+agent's records. An owner with no account it may run as is refused: the task is
+reported exited with code 126 and the reason.
 """
 
 from __future__ import annotations
@@ -19,31 +30,35 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query
-from pydantic import BaseModel, ConfigDict, Field
+from nats.aio.msg import Msg
+from pydantic import ValidationError
 
 from services.inventory.discovery import poll_xid_events, register_xid_events, sample_telemetry
-from services.inventory.taskenv import task_env
+from services.inventory.outbox import Outbox, Report
+from services.inventory.runas import RunAs, RunAsRefused, UserMap, agent_account, resolve
+from services.inventory.taskdir import (ExitRecord, LogNotFound, StateUnreadable, make_task_dir, make_workspace,
+                                        open_log, read_exit, read_pid, read_state, read_task_log, untraversable,
+                                        valid_job_id, write_env)
+from services.inventory.taskenv import base_env, task_env
 from shared import events as ev
+from shared.agentctl import LogRequest, XidRequest, answer
 from shared.cluster import ACTIVE, ClusterProjection
 from shared.eventlog import HEARTBEAT_BUCKET
 from shared.events import Envelope
 from shared.model import NodeInfo
-from shared.runtime import Metrics, Service
+from shared.natsauth import agent_inbox, control_subject, report_subject, telemetry_subject
+from shared.runtime import Metrics, Service, SnapshotStore
 
 log = logging.getLogger("gpuorch.agent")
 LAUNCHER = str(Path(__file__).with_name("launcher.py"))
 STOP_GRACE_S = 10  # for cancel/fail, where the job event carries no grace
+REFUSED = 126  # the shell's "found but cannot run"
+INTERRUPTED = "interrupted"  # a task directory's record: its node stopped under it (the file holds the reason)
 XID_POLL_MS = 500
-
-
-class XidInjection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    gpu_index: int = Field(ge=0)
-    xid: int = Field(ge=1, le=65535)
 
 
 class AgentProjection(ClusterProjection):
@@ -60,12 +75,15 @@ class Task:
     proc: subprocess.Popen | None = None  # None when re-adopted after an agent restart
     kill_at: float | None = None
     killed: bool = False
+    reporting: bool = False  # its exit is in the outbox
 
     @property
     def key(self) -> str:
         return f"{self.job_id}-{self.attempt}-{self.task}"
 
     def alive(self) -> bool:
+        if self.pid <= 1:
+            return False  # never started (refused), or its pid record was unreadable
         if self.proc is not None:
             return self.proc.poll() is None
         try:
@@ -86,34 +104,48 @@ def _not_zombie(pid: int) -> bool:
 
 class Agent:
     def __init__(self, node: NodeInfo, work_dir: Path, nvml: Any = None, *, heartbeat_s: float = 1.0,
-                 telemetry_s: float = 1.0, metrics: Metrics | None = None) -> None:
+                 telemetry_s: float = 1.0, metrics: Metrics | None = None, user_map: UserMap | None = None,
+                 allow_root_tasks: bool = False) -> None:
         self.node, self.nvml = node, nvml
+        self.user_map, self.allow_root_tasks = user_map, allow_root_tasks
+        self.switch_user = os.geteuid() == 0
         self.work_dir = Path(work_dir).resolve()  # tasks run in their own directories: every path we hand them is absolute
         self.heartbeat_s, self.telemetry_s = heartbeat_s, telemetry_s
         self.tasks: dict[str, Task] = {}
+        self.outbox = Outbox(node.node_id)
         self.svc = Service(
             f"agent-{node.node_id}",
             AgentProjection(),
             reaction=self.react,
-            timers=[self.register_and_adopt, self.heartbeat, self.telemetry, self.watch_xids, self.reap],
-            router=self.router,
+            timers=[self.register_and_adopt, self.heartbeat, self.telemetry, self.watch_xids, self.reap,
+                    self.serve_control, self.deliver_reports],
             metrics=metrics,
+            snapshots=SnapshotStore(self.work_dir / "snapshots"),  # the bus's store is the control plane's
+            exclusive=False,  # one agent per node id; its credentials reach no bucket but its heartbeat
         )
 
     @property
     def proj(self) -> AgentProjection:
         return self.svc.projection  # type: ignore[return-value]
 
-    async def emit(self, event: ev.Event, event_id: str | None = None) -> None:
-        assert self.svc.log is not None
+    def report(self, event: ev.Event, event_id: str | None = None, on_acked: Callable[[], None] | None = None) -> None:
+        """Report to inventory, which appends it to the log (an agent may not): registration and task reports.
+        Queued in the outbox, sent in order until acknowledged; ``on_acked`` runs then."""
         env = Envelope(event, source=f"/gpuorch/agent/{self.node.node_id}", **({"id": event_id} if event_id else {}))
-        await self.svc.log.append(env)
+        self.outbox.put(Report(env, report_subject(self.node.node_id, event.TYPE.split(".", 1)[1]), on_acked))
+
+    async def deliver_reports(self, svc: Service) -> None:
+        assert svc.log is not None
+        await self.outbox.deliver(svc.log)
 
     # --- registration, heartbeat, telemetry -------------------------------------------------
 
     async def register_and_adopt(self, svc: Service) -> None:
-        await self.emit(ev.NodeRegistered(node_id=self.node.node_id, node=self.node))
+        self.report(ev.NodeRegistered(node_id=self.node.node_id, node=self.node))
         log.info("event=registered node=%s gpus=%d", self.node.node_id, len(self.node.gpus))
+        if self.switch_user and (closed := untraversable(self.work_dir)):
+            log.warning("event=work_dir_closed node=%s dir=%s: tasks run as their owners and cannot reach their "
+                        "HOME by its path (they start in it)", self.node.node_id, closed)
         await self.adopt()
 
     async def heartbeat(self, svc: Service) -> None:
@@ -130,7 +162,7 @@ class Agent:
         if self.nvml is None:
             return
         assert svc.log is not None
-        subject = f"gpuorch.telemetry.{self.node.node_id}"
+        subject = telemetry_subject(self.node.node_id)
         while True:
             try:
                 samples = sample_telemetry(self.nvml, self.node)
@@ -146,7 +178,7 @@ class Agent:
         if self.nvml is None:
             return
         assert svc.log is not None
-        subject = f"gpuorch.telemetry.{self.node.node_id}.xid"
+        subject = telemetry_subject(self.node.node_id, xid=True)
         try:
             event_set = register_xid_events(self.nvml, self.node)
         except Exception as e:  # noqa: BLE001 - no XID watch on this node; everything else works
@@ -187,46 +219,111 @@ class Agent:
         if isinstance(e, ev.JobPlaced):
             mine = [p for p in e.placements if p.node_id == self.node.node_id]
             for p in mine:
-                await self.start(e, env.seq, p.task)
+                try:
+                    await self.start(e, env.seq, p.task)
+                except Exception as exc:  # noqa: BLE001 - a task that cannot start fails its job, never its agent
+                    self.cannot_start(e.job_id, env.seq, p.task, f"the agent could not start it: {exc}")
         elif isinstance(e, (ev.JobPreempting, ev.JobTimedOut)):
             self.stop(e.job_id, e.grace_s)
         elif isinstance(e, (ev.JobCancelled, ev.JobFailed, ev.JobRequeued)):
             self.stop(e.job_id, STOP_GRACE_S)
         elif isinstance(e, ev.NodeLost) and e.node_id == self.node.node_id:
-            await self.emit(ev.NodeRegistered(node_id=self.node.node_id, node=self.node), f"{env.id}-reregistered")
+            self.report(ev.NodeRegistered(node_id=self.node.node_id, node=self.node), f"{env.id}-reregistered")
             log.info("event=reregistered node=%s after=%r", self.node.node_id, e.reason)
 
     def task_dir(self, job_id: str, attempt: int, task: int) -> Path:
+        if not valid_job_id(job_id):
+            raise ValueError(f"not a job id: {job_id!r}")
         return self.work_dir / "jobs" / job_id / str(attempt) / str(task)
 
+    def run_as(self, owner: str) -> RunAs:
+        """The account a task of ``owner`` runs as: resolved when the agent is root, else the agent's own."""
+        if not self.switch_user:
+            return agent_account()
+        return resolve(owner, self.node.node_id, self.user_map, self.allow_root_tasks)
+
     async def start(self, placed: ev.JobPlaced, attempt: int, task: int) -> None:
+        if not valid_job_id(placed.job_id):
+            log.warning("event=task_refused job=%r task=%d reason=invalid_job_id", placed.job_id[:100], task)
+            return
         job = self.proj.jobs.get(placed.job_id)
         d = self.task_dir(placed.job_id, attempt, task)
         if job is None or (d / "started").exists():
             return  # never start a task twice: a redelivery or an agent restart lands here
         if job.state not in ("placed", "running"):
             return  # cancelled or preempted before it could start
-        d.mkdir(parents=True, exist_ok=True)
+        make_task_dir(self.work_dir, placed.job_id, attempt, task)
+        try:
+            user = self.run_as(job.owner)
+        except RunAsRefused as e:
+            self.refuse(Task(placed.job_id, attempt, task, d, 0), str(e))
+            return
+        home = make_workspace(d, (user.uid, user.gid) if self.switch_user else None)
         addresses = {n: s.info.address or s.info.hostname for n, s in self.proj.nodes.items()}
-        env = {**os.environ, **task_env(placed.job_id, attempt, placed.placements, task, addresses, job.spec.env)}
+        base = base_env(home, user.name, os.path.dirname(sys.executable))
+        env = task_env(placed.job_id, attempt, placed.placements, task, addresses,
+                       {**job.spec.env, **job.spec.secret_env}, base)
+        launcher = [sys.executable, "-I", LAUNCHER, "--cwd", str(home), "--env-file", str(write_env(d, env))]
+        if self.switch_user:
+            launcher += ["--uid", str(user.uid), "--gid", str(user.gid), "--groups", ",".join(map(str, user.groups))]
         command = list(job.spec.command) or ["true"]
-        with open(d / "stdout.log", "ab") as out, open(d / "stderr.log", "ab") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", LAUNCHER, str(d / "exit.json"), "--", *command],
-                cwd=d, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
-            )
+        out, err = open_log(d, "stdout"), open_log(d, "stderr")
+        try:
+            proc = subprocess.Popen([*launcher, str(d / "exit.json"), "--", *command], cwd=d, stdout=out, stderr=err,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            os.close(out)
+            os.close(err)
         (d / "pid").write_text(str(proc.pid))
         (d / "started").write_text(str(time.time()))
         t = Task(placed.job_id, attempt, task, d, proc.pid, proc)
         self.tasks[t.key] = t
-        log.info("event=task_started job=%s task=%d attempt=%d pid=%d", placed.job_id, task, attempt, proc.pid)
-        await self.emit(ev.JobTaskStarted(job_id=placed.job_id, task=task, node_id=self.node.node_id, pid=proc.pid),
-                        f"{t.key}-{self.node.node_id}-started")
+        log.info("event=task_started job=%s task=%d attempt=%d pid=%d user=%s uid=%d", placed.job_id, task, attempt,
+                 proc.pid, user.name, user.uid)
+        self.report_started(t)
 
-    def stop_all(self) -> None:
-        """A simulated node powering off: every task gets SIGKILL."""
+    def report_started(self, t: Task) -> None:
+        started = ev.JobTaskStarted(job_id=t.job_id, task=t.task, node_id=self.node.node_id, pid=t.pid, attempt=t.attempt)
+        self.report(started, f"{t.key}-{self.node.node_id}-started")
+
+    def cannot_start(self, job_id: str, attempt: int, task: int, reason: str) -> None:
+        """Report the task ended with REFUSED: through its directory if it has one (as ``refuse``), else at once."""
+        log.exception("event=task_start_failed job=%s task=%d attempt=%d", job_id, task, attempt)
+        d = self.task_dir(job_id, attempt, task)
+        try:
+            if not (d / "started").exists():
+                self.refuse(Task(job_id, attempt, task, d, 0), reason)
+        except OSError:  # no directory to keep it in: a redelivery may try again, the report's id is the same
+            self.report(ev.JobTaskExited(job_id=job_id, task=task, node_id=self.node.node_id, code=REFUSED, reason=reason,
+                                         attempt=attempt), f"{job_id}-{attempt}-{task}-{self.node.node_id}-exited")
+
+    def refuse(self, t: Task, reason: str) -> None:
+        """Record the task as ended with REFUSED without starting it: the reaper reports it, once, as any exit."""
+        (t.dir / "exit.json").write_text(json.dumps({"code": REFUSED, "reason": reason}))
+        (t.dir / "started").write_text(str(time.time()))
+        self.tasks[t.key] = t
+        log.warning("event=task_refused job=%s task=%d attempt=%d reason=%r", t.job_id, t.task, t.attempt, reason)
+
+    async def power_off(self, timeout: float = 8.0) -> None:
+        """A simulated node powering off with its agent: every task is killed and reported interrupted (its job
+        goes back to the queue). The record is written before the kill, so that an agent that dies here reports
+        the same when it starts again; so does one whose reports cannot reach the bus within ``timeout``."""
+        why = f"node {self.node.node_id} stopped"
         for t in self.tasks.values():
-            _signal_group(t.pid, signal.SIGKILL)
+            if t.alive():
+                with contextlib.suppress(OSError):
+                    (t.dir / INTERRUPTED).write_text(why)
+                _signal_group(t.pid, signal.SIGKILL)
+                log.info("event=task_interrupted job=%s task=%d attempt=%d", t.job_id, t.task, t.attempt)
+        deadline = time.monotonic() + 2
+        while any(t.alive() for t in self.tasks.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for t in list(self.tasks.values()):
+            if not t.alive() and not t.reporting:
+                self.report_exit(t)
+        if self.svc.log is not None and not await self.outbox.flush(self.svc.log, timeout):
+            log.warning("event=reports_left node=%s pending=%d: sent when the agent starts again", self.node.node_id,
+                        len(self.outbox.pending))
 
     def stop(self, job_id: str, grace_s: int) -> None:
         """SIGTERM now, SIGKILL when the grace ends (the reaper enforces it)."""
@@ -239,102 +336,155 @@ class Agent:
     async def adopt(self) -> None:
         """After a restart: tasks still running are watched again; vanished ones are reported (never restarted)."""
         for d in sorted((self.work_dir / "jobs").glob("*/*/*")):
+            job_id, attempt, task = d.parent.parent.name, d.parent.name, d.name
+            if not (valid_job_id(job_id) and _number(attempt) and _number(task)) or d.is_symlink():
+                continue
             if not (d / "started").exists() or (d / "reported").exists():
                 continue
-            job_id, attempt, task = d.parent.parent.name, int(d.parent.name), int(d.name)
-            t = Task(job_id, attempt, task, d, int((d / "pid").read_text() or 0))
+            t = Task(job_id, int(attempt), int(task), d, read_pid(d))
             self.tasks[t.key] = t
-            log.info("event=task_adopted job=%s task=%d alive=%s", job_id, task, t.alive())
+            log.info("event=task_adopted job=%s task=%d alive=%s", job_id, t.task, t.alive())
             job = self.proj.jobs.get(job_id)
             if t.alive() and (job is None or job.state not in ("placed", "running", "preempting")):
                 self.stop(job_id, STOP_GRACE_S)  # it ended while we were away
+            elif t.alive() and job.attempt == t.attempt and t.task not in job.tasks_running:
+                self.report_started(t)  # its start report died with the agent that started it
 
     async def reap(self, svc: Service) -> None:
+        """Every round: enforce grace periods, and queue the exit report of each task that ended (once; the task
+        is forgotten when the report is acknowledged)."""
         while True:
             now = time.monotonic()
-            for key, t in list(self.tasks.items()):
+            for t in list(self.tasks.values()):
                 if t.alive():
                     if t.kill_at is not None and now >= t.kill_at and not t.killed:
                         _signal_group(t.pid, signal.SIGKILL)
                         t.killed = True
                         log.info("event=task_killed job=%s task=%d reason=grace_expired", t.job_id, t.task)
                     continue
-                await self.report_exit(t)
-                del self.tasks[key]
+                if t.reporting:
+                    continue
+                try:
+                    self.report_exit(t)
+                except Exception:  # noqa: BLE001 - a full disk: the next round tries again
+                    log.exception("event=task_report_failed job=%s task=%d", t.job_id, t.task)
             await asyncio.sleep(0.1)
 
     def superseded(self, t: Task) -> bool:
         """The job was requeued and holds another place now: an exit of this attempt would end the new one."""
         job = self.proj.jobs.get(t.job_id)
-        return job is not None and job.state in ACTIVE and not any(
-            p.node_id == self.node.node_id and p.task == t.task for p in job.placements)
+        return job is not None and job.state in ACTIVE and (bool(job.attempt) and job.attempt != t.attempt or not any(
+            p.node_id == self.node.node_id and p.task == t.task for p in job.placements))
 
-    async def report_exit(self, t: Task) -> None:
+    def report_exit(self, t: Task) -> None:
         if self.superseded(t):
             (t.dir / "reported").write_text(json.dumps({"superseded": True}))
+            self.tasks.pop(t.key, None)
             log.info("event=task_exit_superseded job=%s task=%d attempt=%d", t.job_id, t.task, t.attempt)
             return
-        exit_file = t.dir / "exit.json"
-        if exit_file.exists():
-            result = json.loads(exit_file.read_text())
-            code, sig, reason = result.get("code"), result.get("signal"), result.get("reason", "")
-        elif t.killed:
-            code, sig, reason = None, signal.SIGKILL, "killed when its grace period ended"
-        else:
-            code, sig, reason = None, None, "lost: the task vanished while its agent was down"
-        await self.emit(
-            ev.JobTaskExited(job_id=t.job_id, task=t.task, node_id=self.node.node_id, code=code, signal=sig, reason=reason),
-            f"{t.key}-{self.node.node_id}-exited",
-        )
-        (t.dir / "reported").write_text(json.dumps({"code": code, "signal": sig}))
-        log.info("event=task_exited job=%s task=%d code=%s signal=%s", t.job_id, t.task, code, sig)
+        try:
+            result = read_exit(t.dir)
+        except StateUnreadable as e:
+            result = ExitRecord(None, None, f"lost: its exit record is unreadable ({e})")
+        try:
+            interrupted = read_state(t.dir, INTERRUPTED)
+        except StateUnreadable:
+            interrupted = None
+        if interrupted is not None and (result is None or result.code is None):
+            result = ExitRecord(None, signal.SIGKILL, interrupted.strip()[:200] or "its node stopped")
+        elif result is None and t.killed:
+            result = ExitRecord(None, signal.SIGKILL, "killed when its grace period ended")
+        elif result is None:
+            result = ExitRecord(None, None, "lost: the task vanished while its agent was down")
+        code, sig, reason = result.code, result.signal, result.reason
+        was_interrupted = interrupted is not None and code is None
 
-    # --- HTTP: logs -------------------------------------------------------------------------
+        def acked() -> None:
+            self.tasks.pop(t.key, None)
+            (t.dir / "reported").write_text(json.dumps({"code": code, "signal": sig}))
+            log.info("event=task_exited job=%s task=%d attempt=%d code=%s signal=%s interrupted=%s", t.job_id, t.task,
+                     t.attempt, code, sig, was_interrupted)
 
-    def router(self, svc: Service) -> APIRouter:
-        r = APIRouter(tags=["agent"])
+        t.reporting = True
+        exited = ev.JobTaskExited(job_id=t.job_id, task=t.task, node_id=self.node.node_id, code=code, signal=sig,
+                                  reason=reason, attempt=t.attempt, interrupted=was_interrupted)
+        self.report(exited, f"{t.key}-{self.node.node_id}-exited", acked)
 
-        @r.get("/v1/agent/logs/{job_id}")
-        def logs(
-            job_id: str,
-            task: int = Query(0, ge=0),
-            attempt: int | None = None,
-            stream: str = Query("stdout", pattern="^(stdout|stderr)$"),
-            offset: int = Query(0, ge=0),
-            limit: int = Query(1 << 20, ge=1, le=16 << 20),
-        ) -> dict[str, Any]:
-            base = self.work_dir / "jobs" / job_id
-            attempts = sorted((int(p.name) for p in base.glob("*") if p.name.isdigit()), reverse=True)
-            if not attempts:
-                raise HTTPException(404, f"no task of job {job_id} ran on {self.node.node_id}")
-            a = attempt if attempt is not None else attempts[0]
-            path = base / str(a) / str(task) / f"{stream}.log"
-            if not path.exists():
-                raise HTTPException(404, f"no {stream} for task {task} of job {job_id} (attempt {a}) on {self.node.node_id}")
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read(limit)
-            return {"node": self.node.node_id, "task": task, "attempt": a, "stream": stream,
-                    "offset": offset, "next_offset": offset + len(data), "data": data.decode(errors="replace")}
+    # --- the control plane's requests --------------------------------------------------------
 
-        @r.post("/v1/agent/inject-xid")
-        def inject_xid(body: XidInjection) -> dict[str, Any]:
-            """Simulated backend only: the GPU reports this XID as the driver would."""
-            inject = getattr(self.nvml, "inject_xid", None)
-            if inject is None:
-                raise HTTPException(404, f"node {self.node.node_id} reads XIDs from its driver (nvml backend): "
-                                         "injection needs --backend simulated")
-            gpu = next((g for g in self.node.gpus if g.index == body.gpu_index), None)
-            if gpu is None:
-                raise HTTPException(404, f"node {self.node.node_id} has no GPU {body.gpu_index} "
-                                         f"(it has {len(self.node.gpus)}, from 0)")
-            inject(body.gpu_index, body.xid)
-            return {"node": self.node.node_id, "gpu_index": body.gpu_index, "gpu_uuid": gpu.uuid, "xid": body.xid}
+    async def serve_control(self, svc: Service) -> None:
+        """Answer ``gpuorch.agentctl.<node>.<verb>``: only control-plane credentials may ask (shared.agentctl)."""
+        assert svc.log is not None
+        handlers = {"logs": self.answer_logs, "inject-xid": self.answer_inject_xid}
 
-        return r
+        async def on_request(msg: Msg) -> None:
+            handler = handlers.get(msg.subject.rsplit(".", 1)[-1])
+            try:
+                reply = await handler(msg.data) if handler else answer(status=404, error=f"no such request {msg.subject}")
+            except ValidationError as e:
+                reply = answer(status=422, error=f"bad request: {e.errors()[0].get('msg')} at {e.errors()[0].get('loc')}")
+            except Exception as e:  # noqa: BLE001 - one bad request never takes the agent down
+                log.exception("event=control_request_failed subject=%s", msg.subject)
+                reply = answer(status=500, error=f"{type(e).__name__} on {self.node.node_id}")
+            if msg.reply:
+                await msg.respond(reply)
+
+        sub = await svc.log.nc.subscribe(control_subject(self.node.node_id, "*"), cb=on_request)
+        try:
+            await svc.stop_event.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def answer_logs(self, body: bytes) -> bytes:
+        req = LogRequest.model_validate_json(body)
+        try:
+            chunk = await asyncio.to_thread(read_task_log, self.work_dir, req.job_id, req.attempt, req.task, req.stream,
+                                            req.offset, req.limit)
+        except LogNotFound as e:
+            return answer(status=404, error=f"{e} on {self.node.node_id}")
+        return answer({"node": self.node.node_id, **chunk})
+
+    async def answer_inject_xid(self, body: bytes) -> bytes:
+        """Simulated backend only: the GPU reports this XID as the driver would."""
+        req = XidRequest.model_validate_json(body)
+        inject = getattr(self.nvml, "inject_xid", None)
+        if inject is None:
+            return answer(status=404, error=f"node {self.node.node_id} reads XIDs from its driver (nvml backend): "
+                                            "injection needs --backend simulated")
+        gpu = next((g for g in self.node.gpus if g.index == req.gpu_index), None)
+        if gpu is None:
+            return answer(status=404, error=f"node {self.node.node_id} has no GPU {req.gpu_index} "
+                                            f"(it has {len(self.node.gpus)}, from 0)")
+        inject(req.gpu_index, req.xid)
+        return answer({"node": self.node.node_id, "gpu_index": req.gpu_index, "gpu_uuid": gpu.uuid, "xid": req.xid})
+
+
+async def wait_for_log(evlog: Any, node_id: str) -> None:
+    """The control plane creates the streams; an agent started first waits for them."""
+    from nats.js.errors import NotFoundError
+
+    from shared.eventlog import STREAM
+
+    waited = False
+    while True:
+        try:
+            await evlog.js.stream_info(STREAM)
+            return
+        except NotFoundError:
+            if not waited:
+                log.warning("event=waiting_for_event_log node=%s: start the control plane (gpuorch up)", node_id)
+                waited = True
+            await asyncio.sleep(1)
+
+
+def _number(name: str) -> bool:
+    return name.isascii() and name.isdigit()
 
 
 def _signal_group(pid: int, sig: int) -> None:
+    if pid <= 1:
+        return  # 0 would be the agent's own group
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -344,17 +494,24 @@ def _signal_group(pid: int, sig: int) -> None:
 async def run_agent(
     node: NodeInfo, nats_url: str, host: str, port: int, work_dir: Path, nvml: Any = None, *,
     kill_tasks_on_exit: bool = False, heartbeat_s: float = 1.0, telemetry_s: float = 1.0,
+    user_map: UserMap | None = None, allow_root_tasks: bool = False, user: str | None = None, password: str | None = None,
+    replicas: int = 1,
 ) -> None:
-    """`gpuorch agent`: serve the agent's HTTP on host:port and run it until SIGINT/SIGTERM."""
+    """`gpuorch agent`: serve the agent's HTTP on host:port and run it until SIGINT/SIGTERM (``replicas``: of its
+    durable consumer, as the event log's streams)."""
     from shared.eventlog import EventLog
     from shared.runtime import StopSignals, run_process
 
     signals = StopSignals()
-    agent = Agent(node, work_dir, nvml, heartbeat_s=heartbeat_s, telemetry_s=telemetry_s)
-    evlog = await EventLog.connect(nats_url, name=f"gpuorch-agent-{node.node_id}")
+    agent = Agent(node, work_dir, nvml, heartbeat_s=heartbeat_s, telemetry_s=telemetry_s, user_map=user_map,
+                  allow_root_tasks=allow_root_tasks)
+    evlog = await EventLog.connect(nats_url, name=f"gpuorch-agent-{node.node_id}", ensure=False, user=user,
+                                   password=password, inbox_prefix=agent_inbox(node.node_id), replicas=replicas)
+    evlog.delete_temporary = False  # an agent may not delete consumers: its replays' lapse by themselves
     try:
+        await wait_for_log(evlog, node.node_id)
         await run_process([agent.svc], evlog, host, port, signals=signals)
     finally:
         if kill_tasks_on_exit:
-            agent.stop_all()
+            await agent.power_off()
         await evlog.close()

@@ -6,7 +6,10 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException
 
+from shared.agentctl import AgentError, XidRequest, ask
+from shared.api_errors import errors, path_id
 from shared.cluster import NodeState
+from shared.model import NODE_ID
 from shared.runtime import Service
 
 
@@ -48,6 +51,9 @@ def node_view(node: NodeState) -> dict[str, Any]:
     }
 
 
+NodeIdPath = path_id("node_id", NODE_ID, "node")
+
+
 def router(svc: Service) -> APIRouter:
     r = APIRouter(tags=["nodes"])
     proj = svc.projection
@@ -57,10 +63,21 @@ def router(svc: Service) -> APIRouter:
         return [node_view(n) for n in proj.nodes.values()]
 
     @r.get("/v1/nodes/{node_id}")
-    def get_node(node_id: str) -> dict[str, Any]:
+    def get_node(node_id: NodeIdPath) -> dict[str, Any]:
         node = proj.nodes.get(node_id)
         if node is None:
             raise HTTPException(404, f"no node {node_id}")
         return node_view(node)
+
+    @r.post("/v1/nodes/{node_id}/inject-xid", responses=errors(502, 503))
+    async def inject_xid(node_id: NodeIdPath, body: XidRequest) -> dict[str, Any]:
+        """Simulated nodes only: one of its GPUs reports this XID as a driver would (watch health act)."""
+        if node_id not in proj.nodes:
+            raise HTTPException(404, f"no node {node_id}")
+        assert svc.log is not None
+        try:
+            return await ask(svc.log.nc, node_id, "inject-xid", body)
+        except AgentError as e:
+            raise HTTPException(e.status, e.detail) from None
 
     return r

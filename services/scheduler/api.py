@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+import math
+import re
+import time
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
+from pydantic import Field
 
+from services.jobfiles import Context, load_site_map
 from services.scheduler.admission import admission_error
+from services.scheduler.dryrun import place_now
+from services.scheduler.jobinput import manifest_route
 from shared import events as ev
+from shared.agentctl import AgentError, LogRequest, ask
+from shared.api_errors import errors, path_id
 from shared.api_events import record_json
+from shared.auth import Principal, RateLimiter, caller, job_access, submit_error
 from shared.cluster import ACTIVE, PENDING, JobRecord
 from shared.events import SUBJECT_PREFIX, Envelope, new_id, subject_token
-from shared.model import JobSpec
+from shared.model import JOB_ID, QUEUE_PATH, EnvMap, JobSpec, NoNul
+from shared.redact import redact
 from shared.runtime import Service
 
 if TYPE_CHECKING:
@@ -27,7 +40,8 @@ def job_view(job: JobRecord) -> dict[str, Any]:
         "state": job.state,
         "tasks": job.spec.tasks,
         "gpus_per_task": job.spec.resources.gpus,
-        "spec": job.spec.model_dump(mode="json"),
+        "owner": job.owner or None,
+        "spec": redact(job.spec.model_dump(mode="json")),
         "placement": [
             {"task": p.task, "node": p.node_id, "gpus": [g.uuid for g in p.gpus], "shares": [g.milli for g in p.gpus]}
             for p in job.placements
@@ -42,104 +56,183 @@ def job_view(job: JobRecord) -> dict[str, Any]:
     }
 
 
-def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
-    r = APIRouter(tags=["jobs"])
-    proj = svc.projection
+Caller = Annotated[Principal, Depends(caller)]
+JobIdPath = path_id("job_id", JOB_ID, "job")
+DRY_RUN = ("dry_run=true: nothing is recorded; 200 with the spec it would submit, its warnings, ``refused`` "
+           "(status and why) or where it would be placed now (``placement``, else ``reason``)")
+JobState = Literal["submitted", "queued", "placed", "running", "preempting", "preempted", "succeeded", "failed",
+                   "cancelled", "rejected"]
 
-    def known(job_id: str) -> JobRecord:
+
+class JobRequest(JobSpec):
+    """What POST /v1/jobs takes: a JobSpec that runs something, with POSIX environment names. (Events keep
+    JobSpec's looser rules, so that every job ever logged stays readable; simulations may leave out commands.)"""
+
+    command: tuple[NoNul, ...] = Field(min_length=1, max_length=4096, description="what each task runs (argv)")
+    env: EnvMap = Field(default_factory=dict)
+    secret_env: EnvMap = Field(
+        default_factory=dict,
+        description="stored, given to the tasks, never shown by the API or in events (env names matching the "
+                    "server's secret pattern are moved here on submit)")
+
+
+def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
+    proj = svc.projection
+    site = load_site_map(scheduler.settings.jobfile_map)
+
+    def cluster() -> Context:
+        """What a manifest's names mean here: the site map, the queues, the GPU models of the nodes."""
+        models = sorted({g.model for n in proj.nodes.values() for g in n.info.gpus if g.model})
+        return Context(site=site, queues=tuple(proj.queues), models=tuple(models))
+
+    r = APIRouter(tags=["jobs"], route_class=manifest_route(cluster))
+    limiter = RateLimiter(scheduler.settings.submit_rate_per_s, scheduler.settings.submit_burst)
+    secret_name = re.compile(scheduler.settings.secret_env_pattern)
+
+    def known(job_id: str, p: Principal, need: str = "read") -> JobRecord:
+        """The job if this caller may ``need`` it; 404 when they may not even see it (no existence leak)."""
         job = proj.jobs.get(job_id)
-        if job is None:
+        access = "none" if job is None else job_access(p, job, proj.queues)
+        if job is None or access == "none":
             raise HTTPException(404, f"no job {job_id}")
+        if need == "cancel" and access != "cancel":
+            raise HTTPException(403, f"{p.user} may see job {job_id} but not cancel it")
         return job
 
-    def archived(job_id: str) -> dict[str, Any]:
+    def archived(job_id: str, p: Principal) -> dict[str, Any]:
         """A job no longer in memory (finished long ago), from the SQL read model."""
         row = scheduler.history.get(job_id)
-        if row is None:
+        if row is None or not (p.role != "user" or (row.owner and row.owner == p.user)):
             raise HTTPException(404, f"no job {job_id}")
-        return {**row.model_dump(), "id": row.job_id, "placement": [], "archived": True}
+        return redact({**row.model_dump(), "id": row.job_id, "placement": [], "archived": True})
 
-    @r.post("/v1/jobs", status_code=201)
-    async def submit(spec: JobSpec) -> dict[str, Any]:
-        """Accept a job (all tasks start together or none does); 422 with the reason if it never could run."""
+    def with_secrets_apart(spec: JobSpec) -> JobSpec:
+        """Env entries named like secrets (the server's pattern) are kept as secret_env: stored, never shown."""
+        secret = {k: v for k, v in spec.env.items() if secret_name.search(k)}
+        if not secret:
+            return spec
+        return spec.model_copy(update={"env": {k: v for k, v in spec.env.items() if k not in secret},
+                                       "secret_env": {**spec.secret_env, **secret}})
+
+    def secrets_warning(spec: JobSpec, apart: JobSpec) -> list[str]:
+        moved = sorted(set(apart.secret_env) - set(spec.secret_env))
+        return [f"env {', '.join(moved)}: named like secrets, kept as secret_env (stored, never shown)"] if moved else []
+
+    def preview(spec: JobSpec, p: Principal, why: str | None, warnings: list[str]) -> JSONResponse:
+        """What POST without dry_run would do, appending nothing: refused (status, why), or where it goes now."""
+        refused = None
+        if why:
+            refused = {"status": 422, "detail": why}
+        elif denied := submit_error(p, proj.queues, spec):
+            refused = {"status": 403, "detail": denied}
+        apart = with_secrets_apart(spec)
+        body: dict[str, Any] = {"dry_run": True, "spec": redact(apart.model_dump(mode="json")),
+                                "warnings": warnings + secrets_warning(spec, apart), "refused": refused}
+        if refused is None:
+            body.update(place_now(proj, apart, scheduler.policy, time.time()))
+        return JSONResponse(jsonable_encoder(body))
+
+    @r.post("/v1/jobs", status_code=201, responses={**errors(429), 200: {"description": DRY_RUN}})
+    async def submit(req: JobRequest, p: Caller, request: Request,
+                     dry_run: Annotated[bool, Query(description=DRY_RUN)] = False) -> dict[str, Any]:
+        """Accept a job (all tasks start together or none does); 422 with the reason if it never could run.
+
+        The body is a JobRequest in JSON, or in YAML (Content-Type: application/yaml), or a Kubernetes-family
+        manifest holding one job (batch/v1 Job, PyTorchJob, Volcano Job, Pods of a KAI PodGroup) in JSON or
+        YAML; ``warnings`` says what its translation could not carry over."""
+        warnings = list(getattr(request.state, "jobfile_warnings", []))
+        spec = JobSpec.model_validate(req.model_dump())
+        if p.role != "admin" and (wait := limiter.take(p.user, time.monotonic())):
+            raise HTTPException(429, f"{p.user} submits faster than {scheduler.settings.submit_rate_per_s:g} jobs/s",
+                                headers={"Retry-After": str(max(1, math.ceil(wait)))})
         if admission_error(proj, spec):  # maybe stale: catch up with the log's head once, then judge
             assert svc.log is not None
             await svc.caught_up(await svc.log.last_seq(), timeout=2)
-        if why := admission_error(proj, spec):
+        why = admission_error(proj, spec)
+        if dry_run:
+            return preview(spec, p, why, warnings)  # type: ignore[return-value]
+        if why:
             raise HTTPException(422, why)
+        if why := submit_error(p, proj.queues, spec):
+            raise HTTPException(403, why)
+        spec, asked = with_secrets_apart(spec), spec
+        warnings += secrets_warning(asked, spec)
         job_id = new_id("j-")
         source = "/gpuorch/scheduler"
         assert svc.log is not None
         seqs = await svc.log.append_many([
-            Envelope(ev.JobSubmitted(job_id=job_id, spec=spec), id=f"{job_id}-submitted", source=source),
-            Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source),
+            Envelope(ev.JobSubmitted(job_id=job_id, spec=spec, owner=p.user), id=f"{job_id}-submitted", source=source,
+                     actor=p.user),
+            Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source, actor=p.user),
         ])
         scheduler.wake.set()
-        await svc.caught_up(seqs[-1])
-        job = proj.jobs.get(job_id) or JobRecord(job_id, spec, state="queued")
-        return job_view(job)
+        await svc.caught_up(seqs[-1], advice=f"job {job_id} is recorded: read it with GET /v1/jobs/{job_id} "
+                                             "rather than submitting it again")
+        job = proj.jobs.get(job_id) or JobRecord(job_id, spec, state="queued", owner=p.user)
+        return {**job_view(job), "warnings": warnings}
 
     @r.get("/v1/jobs")
     def list_jobs(
-        queue: str | None = None,
-        state: str | None = None,
+        p: Caller,
+        queue: Annotated[str | None, Query(pattern=QUEUE_PATH)] = None,
+        state: JobState | None = None,
         limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
     ) -> list[dict[str, Any]]:
+        """The jobs this caller may see, newest first."""
         out = []
         for job in reversed(proj.jobs.values()):
-            if (queue is None or job.spec.queue == queue) and (state is None or job.state == state):
+            if (queue is None or job.spec.queue == queue) and (state is None or job.state == state) \
+                    and job_access(p, job, proj.queues) != "none":
                 out.append(job_view(job))
                 if len(out) >= limit:
                     break
         return out
 
     @r.get("/v1/jobs/{job_id}")
-    def get_job(job_id: str) -> dict[str, Any]:
-        job = proj.jobs.get(job_id)
-        return job_view(job) if job is not None else archived(job_id)
+    def get_job(job_id: JobIdPath, p: Caller) -> dict[str, Any]:
+        if job_id not in proj.jobs:
+            return archived(job_id, p)
+        return job_view(known(job_id, p))
 
-    @r.delete("/v1/jobs/{job_id}")
-    async def cancel(job_id: str) -> dict[str, Any]:
-        job = known(job_id)
+    @r.delete("/v1/jobs/{job_id}", responses=errors(409))
+    async def cancel(job_id: JobIdPath, p: Caller) -> dict[str, Any]:
+        job = known(job_id, p, "cancel")
         if job.state not in ACTIVE | PENDING | {"preempted"}:
             raise HTTPException(409, f"job {job_id} is already {job.state}")
         assert svc.log is not None
-        env = Envelope(ev.JobCancelled(job_id=job_id, reason="cancelled by user"), id=f"{job_id}-cancel-{job.seq}",
-                       source="/gpuorch/scheduler")
+        env = Envelope(ev.JobCancelled(job_id=job_id, reason=f"cancelled by {p.user}"), id=f"{job_id}-cancel-{job.seq}",
+                       source="/gpuorch/scheduler", actor=p.user)
         seq = await svc.log.append(env)
         scheduler.wake.set()
         await svc.caught_up(seq)
         return {**job_view(proj.jobs.get(job_id, job)), "seq": seq}
 
-    @r.get("/v1/jobs/{job_id}/logs")
+    @r.get("/v1/jobs/{job_id}/logs", responses=errors(502, 503))
     async def job_logs(
-        job_id: str,
-        task: Annotated[int, Query(ge=0)] = 0,
-        stream: Annotated[str, Query(pattern="^(stdout|stderr)$")] = "stdout",
-        offset: Annotated[int, Query(ge=0)] = 0,
+        job_id: JobIdPath,
+        p: Caller,
+        task: Annotated[int, Query(ge=0, le=1023)] = 0,
+        stream: Literal["stdout", "stderr"] = "stdout",
+        offset: Annotated[int, Query(ge=0, le=2**53)] = 0,
     ) -> dict[str, Any]:
-        """A task's output, fetched from the agent of the node it ran on (``offset`` to follow)."""
-        import httpx
-
-        job = known(job_id)
-        placement = next((p for p in job.placements if p.task == task), None)
+        """A task's output, asked of the agent of the node it ran on, over the bus (``offset`` to follow)."""
+        job = known(job_id, p)
+        placement = next((q for q in job.placements + job.last_placements if q.task == task), None)
         if placement is None:
             raise HTTPException(404, f"task {task} of job {job_id} has not been placed ({job.state})")
-        node = proj.nodes.get(placement.node_id)
-        if node is None or not node.info.agent_url:
-            raise HTTPException(404, f"node {placement.node_id} has no agent to read logs from")
+        assert svc.log is not None
         try:
-            async with httpx.AsyncClient(timeout=10) as client:
-                resp = await client.get(f"{node.info.agent_url}/v1/agent/logs/{job_id}",
-                                        params={"task": task, "stream": stream, "offset": offset})
-        except httpx.HTTPError as e:
-            raise HTTPException(503, f"agent of {placement.node_id} unreachable: {e!r}") from None
-        if resp.status_code != 200:
-            raise HTTPException(resp.status_code, resp.json().get("detail", resp.text))
-        return resp.json()
+            return await ask(svc.log.nc, placement.node_id, "logs",
+                             LogRequest(job_id=job_id, task=task, stream=stream, offset=offset))
+        except AgentError as e:
+            raise HTTPException(e.status, e.detail) from None
 
     @r.get("/v1/jobs/{job_id}/events")
-    async def job_events(job_id: str) -> list[dict[str, Any]]:
+    async def job_events(job_id: JobIdPath, p: Caller) -> list[dict[str, Any]]:
+        if job_id in proj.jobs:
+            known(job_id, p)
+        elif p.role == "user":  # an archived job's history: its owner is in its first event
+            archived(job_id, p)
         assert svc.log is not None
         subjects = [f"{SUBJECT_PREFIX}.job.{subject_token(job_id)}"]
         history = [record_json(rec) async for rec in svc.log.replay(1, subjects)]

@@ -21,7 +21,7 @@ from services.scheduler.shapes import TaskShape
 from services.scheduler.snapshot import PendingJob, RunningJob, Snapshot
 from services.scheduler.workstate import LONG, NOW, Footprint, WorkState
 from shared.events import GpuShare, TaskPlacement
-from shared.fairshare import job_share
+from shared.fairshare import EPS, job_share, parent_of
 from shared.model import MILLI, JobSpec
 
 __all__ = [
@@ -70,8 +70,10 @@ class Cycle:
         self.waiting: list[tuple[PendingJob, str]] = []  # not placed, in the order tried, with what they may use
         self.ends: list[tuple[float, str, Footprint]] = []  # jobs placed this cycle: when they free up
         self.allocated: dict[str, float] = {}  # per queue, in GPU-equivalents of the dominant resource
+        self.held: dict[str, float] = {}  # per queue and ancestor, against limits: running, placed, promised
         for r in snapshot.running:
             self.allocated[r.queue] = self.allocated.get(r.queue, 0.0) + self.share(r.spec)
+            self.hold(r.queue, self.share(r.spec))
         self._failed: dict[tuple[int, str, str], int] = {}  # (shape, topology, mode) -> fewest tasks that failed
         self._ever: dict[tuple[int, str, int], bool] = {}
         self._reasons: dict[tuple[int, str, int, str], str] = {}
@@ -115,6 +117,33 @@ class Cycle:
 
     def sid(self, job: PendingJob) -> int:
         return self._sids[job.job_id]
+
+    # --- limits ---------------------------------------------------------------------------
+
+    def hold(self, queue: str, amount: float) -> None:
+        while queue:
+            self.held[queue] = self.held.get(queue, 0.0) + amount
+            queue = parent_of(queue)
+
+    def over_limit(self, job: PendingJob) -> str | None:
+        """Why the job would take its queue or an ancestor above its limit (None: it would not).
+
+        Limits count GPU-equivalents, as fair share does (``job_share``): a job's GPUs, or more where it asks
+        for a larger share of the cluster's CPU or memory. A preempting job still holds its share: it has not left.
+        """
+        limits = self.snap.limits
+        if not limits:
+            return None
+        need, q = self.share(job.spec), job.queue
+        while q:
+            limit, held = limits.get(q), self.held.get(q, 0.0)
+            if limit is not None and held + need > limit + EPS:
+                unit = f"GPU{'' if limit == 1 else 's'}"
+                if need > limit + EPS:
+                    return f"needs {need:g} GPUs, above the limit of queue {q} ({limit:g} {unit}): it can never start"
+                return f"queue {q} at its limit of {limit:g} {unit} (it holds {held:g}; this job needs {need:g})"
+            q = parent_of(q)
+        return None
 
     def ever_fits(self, job: PendingJob) -> bool:
         """Would the gang fit if nothing else ran? If not, no reservation or eviction can help it."""
@@ -160,6 +189,7 @@ class Cycle:
             fp.append((idx, held, shape.cpu, shape.mem, None))
         self.placements[job.job_id] = Placement(job.job_id, tuple(tasks), fit.spread, self.policy.name)
         self.allocated[job.queue] = self.allocated.get(job.queue, 0.0) + self.share(job.spec)
+        self.hold(job.queue, self.share(job.spec))
         limit = job.spec.time_limit_s
         self.ends.append((math.inf if limit is None else self.now + limit, job.job_id, tuple(fp)))
 
@@ -177,6 +207,9 @@ class Cycle:
         """Place jobs in order until one is blocked that can ever fit: it takes a reservation, and backfill goes on."""
         self.planned = True
         for job in jobs:
+            if (why := self.over_limit(job)) is not None:  # it waits for its queue, not for capacity: no reservation
+                self.unschedulable[job.job_id] = why
+                continue
             fit = self.try_place(job, NOW)
             if fit is not None:
                 self.commit(job, fit)
@@ -201,6 +234,9 @@ class Cycle:
         if res is None:
             return
         for job in jobs:
+            if (why := self.over_limit(job)) is not None:
+                self.unschedulable[job.job_id] = why
+                continue
             limit = job.spec.time_limit_s
             mode = NOW if limit is not None and self.now + limit <= res.start else LONG
             fit = self.try_place(job, mode)
@@ -296,8 +332,8 @@ class Cycle:
             keys = [(q, rank) for q in scope for rank in range(below) if (q, rank) in groups]
             scope_key = "*" if self.policy.cross_queue_preemption else job.queue
             memo = (self.sid(job), job.spec.topology, job.spec.tasks, below, scope_key)
-            if not keys or memo in failed or not self.ever_fits(job):
-                continue
+            if not keys or memo in failed or not self.ever_fits(job) or self.over_limit(job) is not None:
+                continue  # (placements since it was tried may have filled its queue to the limit)
             if tries >= self.policy.max_preemptors:
                 break
             tries += 1
@@ -308,6 +344,7 @@ class Cycle:
                 failed.add(memo)
                 continue
             self.preemptors.add(job.job_id)
+            self.hold(job.queue, self.share(job.spec))  # room is made for it: its queue's limit counts it
             for v in victims:
                 self.evicted.add(v.job_id)
                 self.preemptions.append(
@@ -374,7 +411,7 @@ class Cycle:
                 memo = (self.sid(job), job.spec.topology, job.spec.tasks, mode)
                 if need <= 1e-9 or tries >= self.policy.max_preemptors:
                     break
-                if size > need + 1e-9 or memo in failed or not self.ever_fits(job):
+                if size > need + 1e-9 or memo in failed or not self.ever_fits(job) or self.over_limit(job) is not None:
                     continue  # more than the queue is owed would lift it above its share: churn back
                 tries += 1
                 victims = self._reclaim_victims(job, mode, pool, staying, search)
@@ -382,6 +419,7 @@ class Cycle:
                     failed.add(memo)
                     continue
                 self._evict_for(req.queue, victims, staying)
+                self.hold(job.queue, size)
                 need -= size
                 names = ", ".join(v.job_id for v in victims)
                 self.unschedulable[job.job_id] = (f"waiting for {names} to leave: reclaimed for queue {req.queue} "
@@ -463,6 +501,9 @@ def run_cycle(
     3. preempt: waiting jobs evict cheaper, strictly lower-priority gangs; they are
        placed in a later cycle, once the victims are gone.
     4. reclaim: evict other queues' gangs for queues owed GPUs (fed by quota).
+
+    No action takes a queue, or any of its ancestors, above its limit: a job that would
+    waits with that reason, holds no reservation, and gets no evictions made for it.
     """
     cycle = Cycle(snapshot, policy or Policy(), now)
     jobs = cycle.order()

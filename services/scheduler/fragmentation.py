@@ -146,12 +146,3 @@ def fgd_score(f_before: float, f_after: float) -> int:
     if x < -700:
         return 0
     return int((1.0 / (1.0 + math.exp(-x))) * 100)
-
-
-def cluster_frag(memo: FragMemo, nodes: Iterable[tuple[str, int, Sequence[int]]]) -> tuple[float, int]:
-    """(frag amount, idle milli) over (model, cpu_left, free) node states: ratio = amount / idle."""
-    amount, idle = 0.0, 0
-    for model, cpu, free in nodes:
-        amount += memo.frag(model, cpu, free)
-        idle += sum(free)
-    return amount, idle

@@ -43,6 +43,8 @@ def describe(s: TaskShape, tasks: int, topology: str) -> str:
     if tasks == 1:
         return describe_task(s)
     within = "" if level == "any" else f" within one {level}"
+    if s.per_node and tasks > s.per_node:
+        within = f", {s.per_node} on each of {tasks // s.per_node} nodes" + within
     return f"{tasks} tasks × {describe_task(s)}{within}"
 
 

@@ -1,8 +1,8 @@
 """The scheduler service: a cycle on relevant events (debounced) and on a timer, run by the lease holder.
 
-The cycle itself is the pure ``run_cycle``; this adapter takes the snapshot, reads
-the clock once, appends the plan, and waits until its own events are folded before
-the next cycle, so it never decides twice on the same free GPUs.
+The cycle itself is the pure ``decide`` (decide.py); this adapter reads its clock
+once, appends the plan, and waits until its own events are folded before the next
+cycle, so it never decides twice on the same free GPUs.
 """
 
 from __future__ import annotations
@@ -10,22 +10,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 
 from services.scheduler.api import router
-from services.scheduler.core import Plan, Policy, run_cycle
+from services.scheduler.core import Plan
+from services.scheduler.decide import configured_policy, decide
 from services.scheduler.projection import SchedulerProjection
-from services.scheduler.snapshot import snapshot_from_cluster
 from shared import events as ev
-from shared.cluster import ACTIVE
-from shared.fairshare import job_share, leaves, reclaim_requests
+from shared.cluster import ACTIVE, JobRecord
 from shared.eventlog import ConcurrencyConflict
 from shared.events import Envelope
 from shared.leadership import Leadership
 from shared.readmodel import JobHistory
 from shared.aio import wait_event
-from shared.runtime import Metrics, Service
+from shared.runtime import Metrics, NotCaughtUp, Service
 from shared.settings import Settings
 
 log = logging.getLogger("gpuorch.scheduler")
@@ -34,14 +33,16 @@ RELEVANT = ("job.queued", "job.requeued", "job.succeeded", "job.failed", "job.ca
 
 
 class Scheduler:
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``clock``: the time every decision is made at (epoch seconds), read once per cycle."""
         self.settings = settings
-        self.policy = Policy(name=settings.policy, reclaim_grace_s=settings.reclaim_grace_s,
-                             max_preemptions_per_hour=settings.max_preemptions_per_hour)
+        self.clock = clock
+        self.policy = configured_policy(settings)
         self.interval = settings.cycle_interval_s
         self.debounce = settings.debounce_s
         self.wake = asyncio.Event()
-        self.leadership = Leadership("scheduler", on_acquired=self.wake.set)
+        self.leadership = Leadership("scheduler", source="/gpuorch/scheduler", on_acquired=self.wake.set)
         self.history = JobHistory(settings.db_url, Path(settings.data_dir))
         self.svc = Service(
             "scheduler",
@@ -77,7 +78,7 @@ class Scheduler:
                 log.exception("event=cycle_failed")
 
     async def run_once(self) -> Plan:
-        now = time.time()
+        now = self.clock()
         t0 = time.perf_counter()
         plan = decide(self.proj, self.policy, now, self.settings.half_life_s, self.settings.reclaim_after_s)
         self.svc.metrics.cycle_seconds.labels("scheduler").observe(time.perf_counter() - t0)
@@ -115,19 +116,21 @@ class Scheduler:
                 last = max(last, *await self.svc.emit(ev.JobUnschedulable(job_id=job_id, reason=reason), epoch=epoch))
         last = max(last, await self.finish_preemptions(now, epoch))
         if last:
-            deadline = time.monotonic() + 10
-            while self.proj.seq < last and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
+            try:
+                await self.svc.caught_up(last, timeout=10)
+            except NotCaughtUp as e:  # the next cycle decides on whatever the fold has reached by then
+                log.warning("event=cycle_not_caught_up reason=%r", str(e))
 
     async def finish_preemptions(self, now: float, epoch: int | None) -> int:
         """A preempting job whose grace is over (plus a margin for its agent's report) is requeued."""
         last = 0
         for job in list(self.proj.jobs.values()):
             if job.state == "preempting" and job.preempting_since is not None and now > job.preempting_since + job.grace_s + 5:
-                last = max(last, *await self.requeue(job.job_id, f"grace-{job.seq}", epoch))
+                last = max(last, *await self.requeue(job.job_id, attempt_key(job), epoch))
         return last
 
     async def requeue(self, job_id: str, why: str, epoch: int | None = None) -> list[int]:
+        """A preempted job back to the queue, once per attempt (``why``: its attempt), whichever path decides it."""
         envs = [
             Envelope(ev.JobPreempted(job_id=job_id), id=f"{job_id}-preempted-{why}", source="/gpuorch/scheduler", epoch=epoch),
             Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-requeued-{why}", source="/gpuorch/scheduler", epoch=epoch),
@@ -138,68 +141,56 @@ class Scheduler:
     # --- reactions ----------------------------------------------------------------------
 
     async def react(self, env: Envelope) -> None:
-        """Turn task exits into the job's end. Event ids derive from the trigger, so a
-        standby replica or a redelivery appends nothing twice."""
+        """Turn task exits into the job's end, or its requeue when its node stopped under it.
+
+        Each decision is made once per (job, attempt, kind): its id is ``<job>-<attempt>-<kind>``, the attempt
+        being the sequence of the job.placed the tasks ran for, so a standby replica, a redelivery after a
+        restart or the other exits of a gang append nothing twice; and it expects the job's last sequence it was
+        decided on, so a decision on a job that moved meanwhile is refused (its next event decides)."""
         if env.data.TYPE.startswith(RELEVANT):
             self.wake.set()
         if not isinstance(env.data, ev.JobTaskExited):
             return
-        job = self.proj.jobs.get(env.data.job_id)
-        if job is None or job.state not in ACTIVE:
-            return
+        e = env.data
+        job = self.proj.jobs.get(e.job_id)
+        if job is None or job.state not in ACTIVE or not self.proj.of_this_attempt(job, e):
+            return  # ended already (a redelivery), or a late exit of an earlier attempt
         if job.state == "preempting":
             if not job.tasks_running:
-                await self.requeue(job.job_id, f"exit-{env.id}")
+                await self.requeue(job.job_id, attempt_key(job))
             return
-        e = env.data
+        if e.interrupted:
+            why = f"task {e.task} interrupted: {e.reason or 'its node stopped'}"
+            await self._decide(job, ev.JobRequeued(job_id=job.job_id, reason=why, interrupted=True), "requeued")
+            return
         if e.code == 0:
             if len(job.tasks_exited) == job.spec.tasks and all(c == 0 for c in job.tasks_exited.values()):
-                await self._decide(env, ev.JobSucceeded(job_id=job.job_id))
+                await self._decide(job, ev.JobSucceeded(job_id=job.job_id), "succeeded")
             return
         if e.code is not None:
-            why = f"task {e.task} exited with code {e.code}"
+            why = f"task {e.task} exited with code {e.code}" + (f": {e.reason}" if e.reason else "")
         elif e.signal is not None:
             why = f"task {e.task} was killed by signal {e.signal}"
         else:
             why = f"task {e.task}: {e.reason or 'ended without an exit status'}"
-        await self._decide(env, ev.JobFailed(job_id=job.job_id, code=e.code, reason=why))
+        await self._decide(job, ev.JobFailed(job_id=job.job_id, code=e.code, reason=why), "failed")
 
-    async def _decide(self, trigger: Envelope, event: ev.Event) -> None:
+    async def _decide(self, job: JobRecord, event: ev.Event, kind: str) -> None:
         assert self.svc.log is not None
-        env = Envelope(event, id=f"{trigger.id}-{event.TYPE}", source="/gpuorch/scheduler")
-        await self.svc.log.append(env)
-        log.info("event=%s job=%s", event.TYPE.split(".")[1], getattr(event, "job_id", ""))
+        env = Envelope(event, id=f"{job.job_id}-{attempt_key(job)}-{kind}", source="/gpuorch/scheduler")
+        try:
+            await self.svc.log.append(env, expected_last_subject_seq=job.seq)
+        except ConcurrencyConflict:
+            log.info("event=decision_refused job=%s decision=%s attempt=%s reason='the job moved since'", job.job_id,
+                     kind, attempt_key(job))
+            return
+        log.info("event=%s job=%s attempt=%s", event.TYPE.split(".")[1], job.job_id, attempt_key(job))
 
 
-def effective_priority(queues: dict, path: str) -> int:
-    """A leaf's reclaim priority: its own, else its nearest ancestor's (production > research > exploration)."""
-    while path:
-        spec = queues.get(path)
-        if spec is not None and spec.priority:
-            return spec.priority
-        path = path.rsplit(".", 1)[0] if "." in path else ""
-    return 0
-
-
-def decide(proj: SchedulerProjection, policy: Policy, now: float, half_life_s: float, reclaim_after_s: float = 0.0) -> Plan:
-    """One cycle from the folded state: entitlements and reclaim requests from the fair share, then the core."""
-    queues = proj.queues
-    division = proj.division(now, half_life_s)
-    leaf_ent = {q: division.entitlement.get(q, 0.0) for q in leaves(queues)}
-    # reclaim only for work that has waited a while: ordinary churn often frees the GPUs first, without evicting anyone
-    alloc, waiting = proj.queue_load(waited_before=now - reclaim_after_s)
-    smallest: dict[str, float] = {}
-    ratios = proj.share_ratios()
-    for job in proj.jobs.values():
-        if job.state == "queued":
-            smallest[job.spec.queue] = min(smallest.get(job.spec.queue, float("inf")), job_share(job.spec, ratios))
-    reclaims = reclaim_requests(queues, alloc, waiting, leaf_ent, smallest)
-    policy = replace(
-        policy,
-        min_runtime_s={q: s.preempt_min_runtime_s for q, s in queues.items() if s.preempt_min_runtime_s},
-        queue_priority={q: effective_priority(queues, q) for q in queues},
-    )
-    return run_cycle(snapshot_from_cluster(proj, now, leaf_ent), policy, now, reclaims)
+def attempt_key(job: JobRecord) -> str:
+    """The job's current attempt in decision ids: its job.placed's sequence (a job folded from a snapshot older
+    than that field: its last sequence)."""
+    return str(job.attempt) if job.attempt else f"seq{job.seq}"
 
 
 def build(settings: Settings, metrics: Metrics | None = None) -> Service:

@@ -32,6 +32,7 @@ class TaskShape:
     min_cc: tuple[int, int] | None = None
     selector: tuple[tuple[str, str], ...] = ()
     one_domain: bool = False  # topology nvlink: each task's GPUs inside one NVLink domain
+    per_node: int = 0  # exactly this many tasks on each node used (JobSpec.tasks_per_node); 0: as many as fit
 
     @classmethod
     def of(cls, spec: JobSpec) -> "TaskShape":
@@ -55,6 +56,7 @@ class TaskShape:
             min_cc=parse_cc(g.min_compute_capability),
             selector=tuple(sorted(spec.node_selector.items())),
             one_domain=spec.topology == "nvlink",
+            per_node=spec.tasks_per_node or 0,
         )
 
     @property

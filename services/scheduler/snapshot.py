@@ -117,6 +117,7 @@ class Snapshot:
     entitlements: Mapping[str, float] | None = None  # GPU-equivalents per queue, from quota; None: order queues by name
     taken_at: float = 0.0
     ratios: Ratios = Ratios()  # CPU and memory per GPU: a job's dominant share in GPU-equivalents (shared.fairshare)
+    limits: Mapping[str, float] = field(default_factory=dict)  # queue path (any level) -> limit, in GPU-equivalents
 
 
 def _status(ns: NodeState) -> str:
@@ -194,4 +195,4 @@ def snapshot_from_cluster(
     pending.sort(key=lambda j: (j.submitted_at, j.job_id))
     running.sort(key=lambda j: j.job_id)
     return Snapshot(nodes, tuple(pending), tuple(running), None if entitlements is None else dict(entitlements), now,
-                    proj.share_ratios())
+                    proj.share_ratios(), {q: s.limit.gpus for q, s in proj.queues.items() if s.limit is not None})

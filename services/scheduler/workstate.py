@@ -229,6 +229,8 @@ class WorkState:
                 c = min(c, cls.cpu // s.cpu)
             if s.mem:
                 c = min(c, cls.mem // s.mem)
+            if s.per_node:  # a node holds exactly per_node tasks of the gang, or none
+                c = s.per_node if c >= s.per_node else 0
             cls.caps[sid] = c
         return c
 

@@ -3,7 +3,7 @@
 Jobs arrive, the scheduler decides, jobs end; nothing else. The cluster state is
 the fold (``SchedulerProjection``) of exactly the events the live services would
 have appended (``job.submitted``, ``job.queued``, ``job.placed``, ``job.succeeded``
-...), stamped with virtual time, and each cycle is ``service.decide`` on that
+...), stamped with virtual time, and each cycle is ``scheduler.decide`` on that
 fold, as in the scheduler service (fair-share entitlements, reclaim, then
 ``run_cycle``). A cycle runs at every instant something the scheduler reacts to
 happened (arrivals, ends, node events); nothing else moves the clock.
@@ -33,12 +33,12 @@ from services.health.decisions import Decision
 from services.health.projection import SOURCE as HEALTH, HealthProjection
 from services.health.rules import HealthPolicy
 from services.scheduler.core import Plan, Policy, job_order
-from services.scheduler.service import decide
+from services.scheduler.decide import decide
 from services.scheduler.snapshot import PendingJob
 from services.simulation.faults import FaultEntry, FaultRate, Faults
 from services.simulation.traces import TraceJob
 from shared import events as ev
-from shared.cluster import ACTIVE, TERMINAL, JobRecord
+from shared.cluster import ACTIVE, TERMINAL, JobRecord, agent_source
 from shared.events import Envelope, Event
 from shared.model import MILLI, NodeInfo
 from shared.settings import Settings
@@ -240,6 +240,8 @@ class Simulation:
         self.fault_horizon = max((j.submit + (j.duration or 0.0) for j in jobs), default=t0)
         if self.rate and self.rate.per_1000_gpu_days > 0:
             self._push(t0, DRAW, "", 0)
+        if health is not None:  # the simulated health leader's one term: its decisions carry epoch 1
+            self._fold(ev.LeaderElected(lease="health", source=HEALTH, epoch=1, holder="simulate"), t0, HEALTH)
 
     def _push(self, t: float, kind: str, job_id: str, arg: int = 0) -> None:
         self.order += 1
@@ -350,7 +352,8 @@ class Simulation:
                 self._push(now + duration, END, job_id, gen)
             if self.health is not None:
                 for task in job.placements:
-                    self._fold_job(job_id, ev.JobTaskStarted(job_id=job_id, task=task.task, node_id=task.node_id), now)
+                    self._fold_job(job_id, ev.JobTaskStarted(job_id=job_id, task=task.task, node_id=task.node_id), now,
+                                   agent_source(task.node_id))
                 limit = job.spec.time_limit_s
                 if limit and (duration is None or duration > limit):
                     self._push(now + limit + self.tick, LIMIT, job_id, gen)

@@ -13,8 +13,9 @@ from datetime import UTC, datetime
 
 from services.scheduler.core import Policy
 from services.scheduler.projection import SchedulerProjection
-from services.scheduler.service import decide
+from services.scheduler.decide import decide
 from shared import events as ev
+from shared.cluster import agent_source
 from shared.events import Envelope
 from shared.fairshare import jain_index, leaves
 from shared.model import GpuAmount, JobSpec, QueueSpec, TaskResources
@@ -74,7 +75,9 @@ class _Run:
     def emit(self, *events: ev.Event) -> None:
         for e in events:
             self.seq += 1
-            self.proj.apply(Envelope(e, id=f"sim-{self.seq}", time=datetime.fromtimestamp(self.t, UTC), seq=self.seq))
+            source = agent_source(e.node_id) if isinstance(e, ev.JobTaskExited) else "/gpuorch"
+            self.proj.apply(Envelope(e, id=f"sim-{self.seq}", source=source, time=datetime.fromtimestamp(self.t, UTC),
+                                     seq=self.seq))
 
 
 def run(scenario: Scenario, hours: float, seed: int = 1, policy: Policy | None = None) -> dict:

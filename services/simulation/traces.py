@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -76,6 +77,11 @@ class TraceJob:
     duration: float | None
     spec: JobSpec
     cancel_at: float | None = None
+
+
+def job_id_of(name: str) -> str:
+    """A trace's job name as a job id: lowercase letters, digits and '-', as every job event requires."""
+    return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:72] or "job"
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -195,7 +201,7 @@ def openb_jobs(pods: Sequence[OpenbPod]) -> list[TraceJob]:
         gpus = p.count if p.milli >= MILLI or p.count == 0 else p.milli / MILLI
         spec = JobSpec(name=p.name, resources=TaskResources(gpus=gpus, cpu_milli=p.cpu, memory_mib=p.mem),
                        gpu=GpuConstraints(models=p.models))
-        jobs.append(TraceJob(p.name, p.created, duration, spec))
+        jobs.append(TraceJob(job_id_of(p.name), p.created, duration, spec))
     return jobs
 
 
@@ -304,6 +310,6 @@ def load_job_files(target: Path) -> list[TraceJob]:
             raise TraceError(f"{target}: job {n} ({doc.get('name', '?')}): {e}") from None
         duration = sim.get("duration_s", spec.time_limit_s)
         for c in range(int(sim.get("count", 1))):
-            jobs.append(TraceJob(f"{spec.name}-{n:04d}-{c:04d}", float(sim.get("submit_at", 0.0)),
+            jobs.append(TraceJob(f"{job_id_of(spec.name)}-{n:04d}-{c:04d}", float(sim.get("submit_at", 0.0)),
                                  None if duration is None else float(duration), spec))
     return jobs

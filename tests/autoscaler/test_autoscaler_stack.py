@@ -1,9 +1,17 @@
-"""Autoscaling on the real stack: a pool of simulated nodes grows for a gang and shrinks when idle."""
+"""Autoscaling on the real stack: a pool of simulated nodes grows for a gang and shrinks when idle;
+only a provider an admin configured ever runs a command."""
 
 from __future__ import annotations
 
+import json
+import re
+import sys
 import time
+from pathlib import Path
 
+import yaml
+
+from services.autoscaler.service import Autoscaler
 from shared.eventlog import EventLog
 from tests.builders import job
 from tests.support import in_process_stack, until
@@ -13,8 +21,24 @@ async def events_of(client, type_: str) -> list[dict]:
     return (await client.get("/v1/events", params={"type": type_, "limit": 1000})).json()
 
 
+class Ahead:
+    """The wall clock, moved ahead by hand: ``advance(s)`` makes every later reading ``s`` later."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
 async def test_a_gang_makes_the_pool_provision_exactly_what_it_needs_and_idle_nodes_go_away(eventlog: EventLog, agents, tmp_path):
-    async with in_process_stack(eventlog, autoscale_interval_s=0.3, data_dir=tmp_path / "d") as (client, services):
+    clock = Ahead()
+    autoscaler = {"autoscaler": lambda settings, metrics: Autoscaler(settings, metrics, clock=clock).svc}
+    async with in_process_stack(eventlog, autoscaler, autoscale_interval_s=0.3,
+                                data_dir=tmp_path / "d") as (client, services):
         agents("small")  # 4 T4s: the gang cannot run here
         await until(lambda: _nodes(client, 1), 30, "the static node")
         r = await client.put("/v1/pools/h100", json={"profile": "dgx-h100", "min_nodes": 0, "max_nodes": 4,
@@ -43,16 +67,93 @@ async def test_a_gang_makes_the_pool_provision_exactly_what_it_needs_and_idle_no
                                                  "provision_delay_s": 0, "idle_timeout_s": 1})
         await until(lambda: _pool_size(client, "h100", 1), 30, "the pool to reach its minimum")
         await until(lambda: _nodes(client, 2), 30, "the minimum node to register")
-        time_idle = time.monotonic()
-        while time.monotonic() - time_idle < 2.5:  # well past the idle timeout: min is respected
-            assert await _pool_size(client, "h100", 1)
-            await _sleep(0.3)
+        [kept] = next(p for p in (await client.get("/v1/pools")).json() if p["name"] == "h100")["nodes"]
+        clock.advance(60)  # well past the idle timeout: the minimum stays
+        await cycles_pass(client, 2)
+        assert next(p for p in (await client.get("/v1/pools")).json() if p["name"] == "h100")["nodes"] == [kept]
+        assert len(await events_of(client, "pool.node_terminated")) == 2, "the two before, and no other"
 
 
-async def _sleep(s: float) -> None:
-    import asyncio
+def provisioner(tmp_path: Path, marker: Path) -> Path:
+    """A program that leaves a marker with the request it got and answers with a node id."""
+    script = tmp_path / "provision"
+    script.write_text(f"#!{sys.executable}\nimport json, pathlib, sys\nrequest = json.load(sys.stdin)\n"
+                      f"pathlib.Path({str(marker)!r}).write_text(json.dumps(request))\n"
+                      "print(json.dumps({'node_id': 'cloud-' + request['node_id']}))\n")
+    script.chmod(0o755)
+    return script
 
-    await asyncio.sleep(s)
+
+async def autoscaler_cycles(client) -> int:
+    m = re.search(r'gpuorch_cycle_seconds_count\{service="autoscaler"\} (\S+)', (await client.get("/metrics")).text)
+    return int(float(m.group(1))) if m else 0
+
+
+async def cycles_pass(client, n: int) -> None:
+    start = await autoscaler_cycles(client)
+
+    async def check():
+        return await autoscaler_cycles(client) >= start + n
+    await until(check, 20, f"{n} autoscaler cycles")
+
+
+async def test_a_pool_request_that_names_a_command_is_refused_and_nothing_runs(eventlog: EventLog, tmp_path):
+    marker = tmp_path / "ran"
+    script = str(provisioner(tmp_path, marker))
+    async with in_process_stack(eventlog, autoscale_interval_s=0.1, data_dir=tmp_path / "d") as (client, _):
+        r = await client.put("/v1/pools/x", json={"profile": "dgx-h100", "min_nodes": 1, "max_nodes": 1, "provider": "command",
+                                                  "provision_command": [script], "terminate_command": [script]})
+        assert r.status_code == 422, r.text
+        assert {"provision_command", "terminate_command"} <= {e["loc"][-1] for e in r.json()["detail"]}
+        await cycles_pass(client, 3)
+        assert not marker.exists()
+        assert (await client.get("/v1/pools")).json() == []
+
+
+async def test_a_forged_v1_pool_event_runs_nothing_and_the_pool_says_its_provider_is_not_configured(eventlog: EventLog, tmp_path):
+    marker = tmp_path / "ran"
+    script = str(provisioner(tmp_path, marker))
+    forged = {"specversion": "1.0", "id": "forged-pool", "source": "/gpuorch/autoscaler", "type": "io.gpuorch.pool.defined.v1",
+              "subject": "pool/evil", "time": "2026-01-01T00:00:00Z", "datacontenttype": "application/json",
+              "data": {"pool": "evil", "profile": "dgx-h100", "min_nodes": 1, "max_nodes": 2, "provider": "command",
+                       "provision_command": [script], "terminate_command": [script]}}
+    async with in_process_stack(eventlog, autoscale_interval_s=0.1, data_dir=tmp_path / "d") as (client, _):
+        await eventlog.js.publish("gpuorch.events.pool.evil", json.dumps(forged).encode(),
+                                  headers={"Content-Type": "application/cloudevents+json"})
+
+        async def pool_listed():
+            return [p for p in (await client.get("/v1/pools")).json() if p["name"] == "evil"]
+        [pool] = await until(pool_listed, 10, "the forged pool to be folded")
+        await cycles_pass(client, 3)
+        assert not marker.exists()
+        assert pool["provider"] == "command"
+        assert pool["provider_error"] == "provider 'command' is not configured on this server"
+        assert script not in (await client.get("/v1/pools")).text
+        assert await events_of(client, "pool.scale_requested") == []
+
+
+async def test_a_provider_the_admin_configured_runs_its_command_when_the_pool_must_grow(eventlog: EventLog, tmp_path):
+    marker = tmp_path / "ran"
+    script = str(provisioner(tmp_path, marker))
+    providers = tmp_path / "providers.yaml"
+    providers.write_text(yaml.safe_dump({"providers": {"lab": {"kind": "command", "provision": [script],
+                                                               "terminate": [script], "timeout_s": 30}}}))
+    async with in_process_stack(eventlog, autoscale_interval_s=0.1, data_dir=tmp_path / "d", providers_file=providers) as (client, _):
+        r = await client.put("/v1/pools/lab-h100", json={"profile": "dgx-h100", "min_nodes": 1, "max_nodes": 2, "provider": "nope"})
+        assert r.status_code == 422 and "configured providers: simulated, lab" in r.text, r.text
+        r = await client.put("/v1/pools/lab-h100", json={"profile": "dgx-h100", "min_nodes": 1, "max_nodes": 2, "provider": "lab"})
+        assert r.status_code == 200, r.text
+
+        async def provisioned():
+            pool = (await client.get("/v1/pools")).json()[0]
+            return pool if pool["nodes"] else None
+        pool = await until(provisioned, 20, "the admin's provisioner to add a node")
+        request = json.loads(marker.read_text())
+        assert request["action"] == "provision" and request["pool"] == "lab-h100" and request["profile"] == "dgx-h100"
+        assert pool["nodes"] == [f"cloud-{request['node_id']}"]
+        assert pool["provider"] == "lab" and pool["provider_error"] is None
+        assert script not in (await client.get("/v1/pools")).text
+
 
 
 async def _nodes(client, n: int) -> bool:

@@ -13,9 +13,10 @@ from shared import events as ev
 from shared.eventlog import EventLog
 from shared.events import Envelope
 from shared.settings import Settings
-from tests.builders import job, node
+from tests.builders import job, node, reported
 from tests.health.test_health_stack import history, job_when, kind, nodes_up, submit, until
-from tests.support import in_process_stack, running
+from shared.runtime import Service
+from tests.support import Clock, eventually, in_process_stack, running
 
 
 async def register(log: EventLog, *nodes) -> None:
@@ -48,14 +49,42 @@ def sample(node_id: str, **by_index: dict) -> dict:
     return {"node_id": node_id, "gpus": gpus}
 
 
+async def test_a_silent_node_is_lost_when_its_timeout_has_passed_on_the_heartbeat_clock_and_not_before(
+        eventlog: EventLog):
+    beats = Clock()
+    health = Health(Settings(heartbeat_timeout_s=30), monotonic=beats)
+    async with running(health.svc, eventlog):
+        await eventually(lambda: health.leader.is_set() and health.kv is not None, what="health to lead and watch")
+        await register(eventlog, with_agent(node("n1").gpus(2).build()))
+        await eventually(lambda: "n1" in health.proj.nodes, what="health to fold the registration")
+        assert await health.find_lost_nodes() == 0, "noticing the registration counts as a beat"
+        beats.advance(29.5)
+        assert await health.find_lost_nodes() == 0, "within its timeout"
+        beats.advance(1.0)
+        assert await health.find_lost_nodes() > 0
+        await eventually(lambda: health.proj.nodes["n1"].lost, what="node.lost to be folded")
+        assert health.proj.nodes["n1"].lost
+
+
 async def test_a_node_that_stops_beating_is_lost_and_its_jobs_requeue_while_retries_last(eventlog: EventLog):
-    async with in_process_stack(eventlog, heartbeat_timeout_s=2) as (client, _):
+    beats = Clock()
+    made: list[Health] = []
+
+    def health_on(settings: Settings, metrics) -> Service:
+        made.append(Health(settings, metrics, monotonic=beats))
+        return made[0].svc
+
+    async with in_process_stack(eventlog, build={"health": health_on}) as (client, _):
+        [health] = made
         await register(eventlog, with_agent(node("n1").gpus(8).build()))
         once = await submit(client, job("once").gpus(4).build())
         twice = await submit(client, job("twice").gpus(4).build().model_copy(update={"max_retries": 1}))
         for j in (once, twice):
             await job_when(client, j, lambda v: v["state"] == "placed", "placement on n1")
         await register(eventlog, node("n2").gpus(8).build())  # no agent: never watched
+        await eventually(lambda: "n1" in health.heartbeats.noticed, what="health to watch n1")
+        beats.advance(Settings().heartbeat_timeout_s + 1)  # and n1 never beat
+        health.wake.set()
 
         failed = await job_when(client, once, lambda v: v["state"] == "failed", "the job without retries to fail", 10)
         assert failed["reason"] == "node lost: n1"
@@ -82,7 +111,7 @@ async def test_an_operator_drain_preempts_with_its_grace_then_the_node_is_draine
         assert (pre["grace_s"], pre["reason"]) == (7, "node n1 draining: maintenance")
         assert await node_state(client, "n1") == "draining"
 
-        await eventlog.append(Envelope(ev.JobTaskExited(job_id=job_id, task=0, node_id="n1", signal=15)))  # as its agent would
+        await eventlog.append(reported(ev.JobTaskExited(job_id=job_id, task=0, node_id="n1", signal=15)))  # as its agent would
         await job_when(client, job_id, lambda v: v["state"] == "queued", "the job to go back to the queue")
 
         async def drained():

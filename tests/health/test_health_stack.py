@@ -43,7 +43,7 @@ def at(e: dict) -> float:
 
 async def test_an_xid_79_on_a_busy_gpu_cordons_its_node_and_the_job_moves_elsewhere_after_grace(eventlog: EventLog, agents):
     async with in_process_stack(eventlog) as (client, _):
-        procs = {a.node_id: a for a in agents("a", "b")}
+        agents("a", "b")
         await nodes_up(client, 2)
         job_id = await submit(client, job("train").gpus(1).build().model_copy(update={"command": SLEEPER}))
         running = await job_when(client, job_id, lambda j: j["state"] == "running", "the job to run")
@@ -51,8 +51,7 @@ async def test_an_xid_79_on_a_busy_gpu_cordons_its_node_and_the_job_moves_elsewh
         gpus = (await client.get(f"/v1/nodes/{sick_node}")).json()["gpus"]
         index = next(g["index"] for g in gpus if g["uuid"] == sick_uuid)
 
-        async with httpx.AsyncClient(base_url=procs[sick_node].url) as agent:
-            r = await agent.post("/v1/agent/inject-xid", json={"gpu_index": index, "xid": 79})
+        r = await client.post(f"/v1/nodes/{sick_node}/inject-xid", json={"gpu_index": index, "xid": 79})
         assert r.status_code == 200, r.text
 
         moved = await job_when(client, job_id, lambda j: j["state"] == "running" and j["placement"][0]["node"] != sick_node,

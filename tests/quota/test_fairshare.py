@@ -168,7 +168,7 @@ def test_reclaim_takes_from_the_lowest_priority_queue_first():
 
 
 def test_a_leaf_inherits_its_parents_reclaim_priority():
-    from services.scheduler.service import effective_priority
+    from services.scheduler.decide import effective_priority
 
     queues = {"production": QueueSpec(priority=2), "production.inference": QueueSpec(), "research.nlp": QueueSpec(priority=1)}
     assert effective_priority(queues, "production.inference") == 2

@@ -1,0 +1,498 @@
+"""A curated mutation check: every scheduling and quota rule, broken on purpose, must fail a test.
+
+    python -m bench.mutants                      # every mutant, two at a time (about 2 minutes here)
+    python -m bench.mutants --only reclaim-lifts-queue-above-owed
+    python -m bench.mutants --json mutants.json  # the same as JSON too (``--json`` alone: JSON on stdout)
+    python -m bench.mutants --count              # run each mutant's tests to the end: which tests fail, not the first
+
+A mutant is one exact textual replacement (old snippet -> new snippet) in one source file, named after what
+it breaks. Each runs in a fresh copy of the repository (the working tree is never touched): the snippet must
+match there exactly once (else the mutant is *stale*: the code moved and the catalogue must follow), the
+copy is mutated, and the tests of the mutant's rule run there with the project's interpreter
+(``pytest -x -q -p no:cacheprovider --hypothesis-seed=0 <tests>``). Failing tests kill the mutant; a mutant
+whose tests all pass *survives*. Before any mutant, the same tests run once on an unmutated copy: a test that
+fails there could kill nothing, so it is left out of every mutant's run and listed (work in progress elsewhere).
+
+Exit status: 0 when every mutant is killed, 1 when one survives or is stale, 2 when the tests cannot run.
+
+The catalogue (``MUTANTS``) names its origin: ``issue`` (one of the five changes of issue 13 that no test
+caught), ``once`` (one of the eight that a single test caught), ``rule`` (the rest of DESIGN.md's
+scheduling and quota rules).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+IGNORE = shutil.ignore_patterns(".venv", ".git", "build", "__pycache__", ".hypothesis", ".pytest_cache", ".ruff_cache",
+                                ".gpuorch", "*.egg-info", ".schemathesis", "data")
+MAX_JOBS = 2  # this machine has two cores; each mutant's pytest takes one
+
+CORE = "services/scheduler/core.py"
+GANG = "services/scheduler/gang.py"
+WORK = "services/scheduler/workstate.py"
+PLACEMENT = "services/scheduler/placement.py"
+PREEMPTION = "services/scheduler/preemption.py"
+PLAN = "services/scheduler/plan.py"
+SHAPES = "services/scheduler/shapes.py"
+FAIRSHARE = "shared/fairshare.py"
+CLUSTER = "shared/cluster.py"
+
+# --- the rules and the tests that guard them (fast example tests first: -x stops at the first failure) ---------
+
+SR = "tests/scheduler/test_rules.py"  # placement, order, backfill
+SE = "tests/scheduler/test_rules_evictions.py"  # preemption, reclaim, guards
+QR = "tests/quota/test_rules.py"  # fair share: DRF, decay, guarantees, limits, what is owed
+CORE_T = "tests/scheduler/test_core.py"
+LIMITS_T = "tests/scheduler/test_queue_limits.py"
+FAIR_T = "tests/quota/test_fairshare.py"
+PROPS = "tests/scheduler/test_core_properties.py"  # the invariants, over generated clusters (seeded)
+
+
+@dataclass(frozen=True)
+class Rule:
+    says: str
+    tests: tuple[str, ...]
+
+
+RULES: dict[str, Rule] = {
+    "gang atomicity": Rule("every task of a gang is placed in the same cycle, or none is", (SR, CORE_T, PROPS)),
+    "topology levels": Rule("nvlink / node / rack / zone requirements hold; one NVLink domain is preferred",
+                            (SR, CORE_T, PROPS)),
+    "constraints": Rule("GPU model, GPU memory, compute capability, node labels, CPU and memory are honoured",
+                        (SR, CORE_T, PROPS)),
+    "fractional sharing": Rule("milli-GPU shares never add up to more than a GPU", (SR, CORE_T, PROPS)),
+    "MIG profiles": Rule("a MIG task takes a free slice of its own profile", (SR, CORE_T, PROPS)),
+    "backfill": Rule("a later job starts only if it cannot delay the reservation of the blocked head job",
+                     (SR, CORE_T, PROPS)),
+    "priority order": Rule("within a queue, jobs go by priority class, then age", (SR, CORE_T)),
+    "fair-share queue order": Rule("queues furthest below their entitlement go first, re-ranked after each job",
+                                   (SR, CORE_T)),
+    "DRF (dominant share)": Rule("a job counts its largest share of GPUs, CPU or memory, all tasks, in "
+                                 "GPU-equivalents", (QR, SR, FAIR_T, CORE_T, LIMITS_T)),
+    "decay (usage half-life)": Rule("usage fades with a half-life; with equal weights, the queue that used more "
+                                    "gets less", (QR, FAIR_T, "tests/quota/test_accounting.py")),
+    "limits (queue and ancestors)": Rule("no action takes a queue, or any ancestor, above its limit",
+                                         (QR, SE, LIMITS_T, FAIR_T)),
+    "guarantees": Rule("guarantees first, capped by demand; oversubscribed, they shrink in proportion",
+                       (QR, FAIR_T)),
+    "priority preemption": Rule("only strictly lower, preemptible priorities of the same queue (unless allowed) "
+                                "are evicted", (SE, CORE_T, PROPS)),
+    "protected victims": Rule("priority preemption respects the minimum runtime and the thrashing guard",
+                              (SE, CORE_T, FAIR_T)),
+    "thrashing guard": Rule("a job evicted max_preemptions_per_hour times in the last hour is left alone",
+                            (SE, FAIR_T)),
+    "min runtime": Rule("a job younger than its queue's preempt_min_runtime_s is never evicted", (SE, FAIR_T)),
+    "grace": Rule("evictions carry their grace period: the priority one, or reclaim's", (SE, CORE_T)),
+    "whole-gang victims": Rule("victims are whole gangs, and all of a victim's GPUs count as freed", (SE, CORE_T)),
+    "cheapest victims": Rule("victims free the needed shape at least cost: fewest GPU-seconds lost, fewest jobs",
+                             (SE, CORE_T)),
+    "reclaim within what is owed": Rule("reclaim never lifts the owed queue above what it is owed", (SE, CORE_T)),
+    "owed capped by entitlement": Rule("a queue is owed at most min(guarantee, entitlement) minus what it holds, "
+                                       "and no less than its smallest waiting job", (QR, FAIR_T)),
+    "reclaim tiers": Rule("reclaim with waiting jobs takes from the lowest-priority queues first", (SE, FAIR_T)),
+    "leaving jobs": Rule("jobs already leaving (preempting, in grace) count as freed and are not evicted again",
+                         (SE, CORE_T, PROPS)),
+    "reclaim victims": Rule("reclaim evicts only other queues' gangs, never taking a queue below its entitlement",
+                            (SE, CORE_T, PROPS)),
+}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    rule: str
+    file: str
+    old: str
+    new: str
+    origin: str = "rule"  # issue | once | rule
+
+
+M = Mutant
+MUTANTS: tuple[Mutant, ...] = (
+    # --- the five changes of issue 13 that no test caught ---------------------------------------------------------
+    M("preempt-ignores-protected", "protected victims", CORE,
+      "if r.job_id not in self.evicted and not self.policy.protected(r, self.now)]",
+      "if r.job_id not in self.evicted]", "issue"),
+    M("reclaim-lifts-queue-above-owed", "reclaim within what is owed", CORE,
+      "if size > need + 1e-9 or memo in failed", "if memo in failed", "issue"),
+    M("owed-not-capped-by-entitlement", "owed capped by entitlement", FAIRSHARE,
+      "target = min(queues[q].guaranteed.gpus, entitlement.get(q, 0.0), have + waiting)",
+      "target = min(queues[q].guaranteed.gpus, have + waiting)", "issue"),
+    M("reclaim-tiers-reversed", "reclaim tiers", CORE,
+      "for tier in sorted({qprio.get(v.queue, 0) for v in pool}):",
+      "for tier in sorted({qprio.get(v.queue, 0) for v in pool}, reverse=True):", "issue"),
+    M("leaving-not-credited", "leaving jobs", CORE,
+      "credit = min(leaving, need)", "credit = 0", "issue"),
+    # --- eight that a single test caught ------------------------------------------------------------------------
+    M("gang-commits-first-task-only", "gang atomicity", CORE,
+      "for t, (idx, pick) in enumerate(fit.tasks):", "for t, (idx, pick) in enumerate(fit.tasks[:1]):", "once"),
+    M("topology-level-ignored", "topology levels", GANG,
+      'return "any" if topology == "nvlink" else topology', 'return "any"', "once"),
+    M("constraint-gpu-model-ignored", "constraints", WORK,
+      "                and (not s.models or model in s.models)\n", "", "once"),
+    M("constraint-gpu-memory-ignored", "constraints", WORK,
+      "                and mem >= s.min_memory_mib\n", "", "once"),
+    M("constraint-node-selector-ignored", "constraints", WORK,
+      "if any(labels.get(k) != v for k, v in s.selector):", "if False:", "once"),
+    M("shared-gpu-over-committed", "fractional sharing", PLACEMENT,
+      "room = [i for i, r in enumerate(node.free) if r >= pod.milli and (ok is None or ok[i])]",
+      "room = [i for i, r in enumerate(node.free) if r > 0 and (ok is None or ok[i])]", "once"),
+    M("mig-slice-of-any-profile", "MIG profiles", WORK,
+      "for b, p in enumerate(profiles) if p == s.mig and cls.mig[gi] >> b & 1),",
+      "for b, p in enumerate(profiles) if cls.mig[gi] >> b & 1),", "once"),
+    M("min-runtime-ignored", "min runtime", PLAN,
+      "if now - began < self.min_runtime_s.get(job.queue, 0):", "if False:", "once"),
+    # --- gang atomicity --------------------------------------------------------------------------------------------
+    M("gang-fills-one-task-per-node", "gang atomicity", GANG,
+      "        for _ in range(n):\n            pick = ws.pick(", "        for _ in range(min(n, 1)):\n            pick = ws.pick("),
+    # --- topology ---------------------------------------------------------------------------------------------------
+    M("rack-gang-spreads-past-its-rack", "topology levels", GANG,
+      "if LEVELS.index(name) > LEVELS.index(level):\n            return None",
+      "if False:\n            return None"),
+    M("nvlink-requirement-ignored", "topology levels", SHAPES,
+      'one_domain=spec.topology == "nvlink",', "one_domain=False,"),
+    M("nvlink-preference-dropped", "topology levels", GANG,
+      "if s.gpus > 1 and s.milli == MILLI and not s.one_domain:", "if False:"),
+    # --- constraints -----------------------------------------------------------------------------------------------
+    M("constraint-compute-capability-ignored", "constraints", WORK,
+      "                and (s.min_cc is None or (cc is not None and cc >= s.min_cc))\n", ""),
+    M("constraint-cpu-ignored", "constraints", WORK,
+      "            if s.cpu:\n                c = min(c, cls.cpu // s.cpu)\n", ""),
+    # --- sharing ----------------------------------------------------------------------------------------------------
+    M("shared-gpu-over-committed-by-fgd", "fractional sharing", PLACEMENT,
+      "if r < pod.milli or (ok is not None and not ok[i]):", "if r <= 0 or (ok is not None and not ok[i]):"),
+    # --- backfill ---------------------------------------------------------------------------------------------------
+    M("backfill-ignores-the-reservation", "backfill", CORE,
+      "mode = NOW if limit is not None and self.now + limit <= res.start else LONG", "mode = NOW"),
+    M("backfill-end-forgets-now", "backfill", CORE,
+      "mode = NOW if limit is not None and self.now + limit <= res.start else LONG",
+      "mode = NOW if limit is not None and limit <= res.start else LONG"),
+    M("reservation-holds-nothing", "backfill", CORE, "        ws.hold(slack)\n", ""),
+    M("allocate-goes-on-past-the-reserved-job", "backfill", CORE,
+      "            if res is not None:\n                return\n", ""),
+    M("reservation-starts-at-the-last-release", "backfill", CORE,
+      "return Reservation(job.job_id, releases[lo - 1][0], names)",
+      "return Reservation(job.job_id, releases[-1][0], names)"),
+    # --- order ------------------------------------------------------------------------------------------------------
+    M("job-order-ignores-priority", "priority order", CORE,
+      "key=lambda j: (-j.priority_rank, j.submitted_at, j.job_id)", "key=lambda j: (j.submitted_at, j.job_id)"),
+    M("job-order-ignores-age", "priority order", CORE,
+      "key=lambda j: (-j.priority_rank, j.submitted_at, j.job_id)", "key=lambda j: (-j.priority_rank, j.job_id)"),
+    M("queue-order-by-name-first", "fair-share queue order", CORE,
+      "heap = [(share(q), q) for q in by_queue]", "heap = [(0.0, q) for q in by_queue]"),
+    M("queue-order-not-re-ranked", "fair-share queue order", CORE,
+      "heapq.heappush(heap, (share(q), q))", "heapq.heappush(heap, (-math.inf, q))"),
+    M("queue-order-furthest-above-first", "fair-share queue order", CORE,
+      "return self.allocated.get(q, 0.0) / e if e > 0 else math.inf",
+      "return -self.allocated.get(q, 0.0) / e if e > 0 else math.inf"),
+    # --- DRF ----------------------------------------------------------------------------------------------------------
+    M("share-counts-gpus-only", "DRF (dominant share)", FAIRSHARE,
+      "return dominant_gpus(gpus * n, res.cpu_milli * n, res.memory_mib * n, r)", "return gpus * n"),
+    M("dominant-share-ignores-memory", "DRF (dominant share)", FAIRSHARE,
+      "memory_mib / r.memory_mib if r.memory_mib > 0 else 0.0)", "0.0)"),
+    M("dominant-share-ignores-cpu", "DRF (dominant share)", FAIRSHARE,
+      "cpu_milli / r.cpu_milli if r.cpu_milli > 0 else 0.0,", "0.0,"),
+    M("share-counts-one-task", "DRF (dominant share)", FAIRSHARE,
+      "res, n = spec.resources, spec.tasks", "res, n = spec.resources, 1"),
+    M("queue-order-counts-running-gpus-only", "DRF (dominant share)", CORE,
+      "self.allocated[r.queue] = self.allocated.get(r.queue, 0.0) + self.share(r.spec)",
+      "self.allocated[r.queue] = self.allocated.get(r.queue, 0.0) + r.gpu_milli / MILLI"),
+    # --- decay ------------------------------------------------------------------------------------------------------
+    M("usage-never-decays", "decay (usage half-life)", FAIRSHARE,
+      "return value * 2.0 ** (-dt / half_life) if half_life > 0 else value", "return value"),
+    M("accrued-usage-never-decays", "decay (usage half-life)", FAIRSHARE,
+      "return decay(value, dt, half_life) - gpus * math.expm1(-k * dt) / k", "return value + gpus * dt"),
+    M("past-hours-never-decay", "decay (usage half-life)", CLUSTER,
+      "v * 2.0 ** (-max(0.0, now - (b + 0.5) * ACCOUNTING_BUCKET_S) / half_life)", "v"),
+    M("usage-does-not-lower-weight", "decay (usage half-life)", FAIRSHARE,
+      "if total_usage <= EPS or total_weight <= EPS:", "if True:"),
+    # --- limits -----------------------------------------------------------------------------------------------------
+    M("limit-ignores-ancestors", "limits (queue and ancestors)", CORE,
+      "            q = parent_of(q)\n        return None", '            q = ""\n        return None'),
+    M("holds-not-counted-up-the-tree", "limits (queue and ancestors)", CORE,
+      "            queue = parent_of(queue)", '            queue = ""'),
+    M("allocate-ignores-limits", "limits (queue and ancestors)", CORE,
+      "if (why := self.over_limit(job)) is not None:  # it waits for its queue",
+      "if (why := None) is not None:  # it waits for its queue"),
+    M("backfill-ignores-limits", "limits (queue and ancestors)", CORE,
+      "            if (why := self.over_limit(job)) is not None:\n                self.unschedulable[job.job_id] = why\n"
+      "                continue\n            limit = job.spec.time_limit_s",
+      "            if (why := None) is not None:\n                self.unschedulable[job.job_id] = why\n"
+      "                continue\n            limit = job.spec.time_limit_s"),
+    M("preemption-ignores-limits", "limits (queue and ancestors)", CORE,
+      "if not keys or memo in failed or not self.ever_fits(job) or self.over_limit(job) is not None:",
+      "if not keys or memo in failed or not self.ever_fits(job):"),
+    M("preemptor-not-counted-against-its-limit", "limits (queue and ancestors)", CORE,
+      "self.hold(job.queue, self.share(job.spec))  # room is made for it", "pass  # room is made for it"),
+    M("reclaim-ignores-limits", "limits (queue and ancestors)", CORE,
+      "or not self.ever_fits(job) or self.over_limit(job) is not None:\n                    continue  # more than",
+      "or not self.ever_fits(job):\n                    continue  # more than"),
+    M("reclaimer-not-counted-against-its-limit", "limits (queue and ancestors)", CORE,
+      "                self.hold(job.queue, size)\n", ""),
+    M("division-ignores-limits", "limits (queue and ancestors)", FAIRSHARE,
+      "want[p] = min(raw, limit(p)) if p != ROOT else raw", "want[p] = raw"),
+    # --- guarantees -------------------------------------------------------------------------------------------------
+    M("guarantees-ignored", "guarantees", FAIRSHARE,
+      "base = {k: min(spec[k].guaranteed.gpus, want[k]) for k in kids}", "base = {k: 0.0 for k in kids}"),
+    M("guarantee-not-capped-by-demand", "guarantees", FAIRSHARE,
+      "base = {k: min(spec[k].guaranteed.gpus, want[k]) for k in kids}",
+      "base = {k: spec[k].guaranteed.gpus for k in kids}"),
+    M("oversubscribed-guarantees-not-shrunk", "guarantees", FAIRSHARE,
+      "if total_base > amount + EPS:", "if False:"),
+    # --- what is owed -----------------------------------------------------------------------------------------------
+    M("owed-not-capped-by-guarantee", "owed capped by entitlement", FAIRSHARE,
+      "target = min(queues[q].guaranteed.gpus, entitlement.get(q, 0.0), have + waiting)",
+      "target = min(entitlement.get(q, 0.0), have + waiting)"),
+    M("owed-below-the-smallest-waiting-job", "owed capped by entitlement", FAIRSHARE,
+      "if waiting > EPS and owed > EPS and owed >= floor - EPS:", "if waiting > EPS and owed > EPS:"),
+    # --- priority preemption ----------------------------------------------------------------------------------------
+    M("preempt-equal-priority", "priority preemption", CORE,
+      "below = min(job.priority_rank, self.policy.preemptible_below)",
+      "below = min(job.priority_rank + 1, self.policy.preemptible_below)"),
+    M("preempt-ignores-preemptible-below", "priority preemption", CORE,
+      "below = min(job.priority_rank, self.policy.preemptible_below)", "below = job.priority_rank"),
+    M("preempt-crosses-queues", "priority preemption", CORE,
+      "scope = queues if self.policy.cross_queue_preemption else [job.queue]", "scope = queues"),
+    # --- guards -----------------------------------------------------------------------------------------------------
+    M("thrashing-guard-off-by-one", "thrashing guard", PLAN,
+      "if now - t < 3600) >= self.max_preemptions_per_hour", "if now - t < 3600) > self.max_preemptions_per_hour"),
+    M("thrashing-guard-counts-the-last-minute", "thrashing guard", PLAN,
+      "if now - t < 3600) >= self.max_preemptions_per_hour", "if now - t < 60) >= self.max_preemptions_per_hour"),
+    M("reclaim-ignores-protected", "protected victims", CORE,
+      "                and not self.policy.protected(r, self.now)\n            ]", "            ]"),
+    M("min-runtime-counts-from-placement", "min runtime", PLAN,
+      "began = job.started_at if job.started_at is not None else job.placed_at", "began = job.placed_at"),
+    # --- grace ------------------------------------------------------------------------------------------------------
+    M("preemption-without-grace", "grace", CORE,
+      "self.policy.grace_s, for_job=job.job_id)", "0, for_job=job.job_id)"),
+    M("reclaim-with-the-priority-grace", "grace", CORE,
+      "self.policy.reclaim_grace_s, for_queue=queue)", "self.policy.grace_s, for_queue=queue)"),
+    # --- victims ----------------------------------------------------------------------------------------------------
+    M("victim-frees-its-first-task-only", "whole-gang victims", WORK,
+      "        for p in job.placements:\n            idx = self.index_of.get(p.node_id)\n            if idx is None:\n",
+      "        for p in job.placements[:1]:\n            idx = self.index_of.get(p.node_id)\n            if idx is None:\n"),
+    M("victims-most-expensive-first", "cheapest victims", PREEMPTION,
+      "ranked = sorted(pool, key=lambda v: (cost[v.job_id], v.priority_rank, v.job_id))",
+      "ranked = sorted(pool, key=lambda v: (-cost[v.job_id], v.priority_rank, v.job_id))"),
+    M("cost-ignores-gang-size", "cheapest victims", PREEMPTION,
+      "return job.gpu_milli / MILLI * max(0.0, now - start)", "return max(0.0, now - start)"),
+    M("unneeded-victims-kept-on-a-node", "cheapest victims", PREEMPTION,
+      "                if rest and self._fits_here(idx, sid, tasks, rest):\n                    chosen = rest",
+      "                if False:\n                    chosen = rest"),
+    M("victims-room-not-claimed", "cheapest victims", PREEMPTION,
+      "        undo = [u for v in chosen for u in self.ws.give(self.footprint(v))]\n"
+      "        if place_gang(self.ws, sid, tasks, topo, mode) is None:\n"
+      "            self.ws.undo(undo)\n            return None\n", ""),
+    # --- reclaim ----------------------------------------------------------------------------------------------------
+    M("reclaim-alone-ignores-queue-priority", "reclaim tiers", CORE,
+      "pool.sort(key=lambda r: (qprio.get(r.queue, 0), r.priority_rank, lost_gpu_seconds(r, self.now), r.job_id))",
+      "pool.sort(key=lambda r: (r.priority_rank, lost_gpu_seconds(r, self.now), r.job_id))"),
+    M("leaving-still-counted-as-staying", "leaving jobs", CORE,
+      "if r.preempting or r.job_id in self.evicted:  # evicted", "if r.job_id in self.evicted:  # evicted"),
+    M("leaving-job-preempted-again", "leaving jobs", CORE,
+      "            if not r.preempting:\n                groups.setdefault(",
+      "            if True:\n                groups.setdefault("),
+    M("leaving-job-reclaimed-again", "leaving jobs", CORE,
+      "if not r.preempting and r.job_id not in self.evicted and r.queue != req.queue",
+      "if r.job_id not in self.evicted and r.queue != req.queue"),
+    M("reclaim-takes-from-its-own-queue", "reclaim victims", CORE,
+      "if not r.preempting and r.job_id not in self.evicted and r.queue != req.queue",
+      "if not r.preempting and r.job_id not in self.evicted"),
+    M("reclaim-overdraws-victim-queues", "reclaim victims", CORE,
+      "return all(staying.get(q, 0.0) - t >= ent.get(q, 0.0) - 1e-9 for q, t in taken.items())", "return True"),
+)
+
+
+# --- running ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    name: str
+    rule: str
+    file: str
+    origin: str
+    status: str  # killed | survived | stale
+    seconds: float
+    killed_by: list[str] = field(default_factory=list)  # the failing tests (the first, or all with --count)
+    detail: str = ""
+
+
+def interpreter() -> str:
+    venv = REPO / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def copy_repo(into: Path) -> Path:
+    root = into / "repo"
+    shutil.copytree(REPO, root, ignore=IGNORE, symlinks=True)
+    return root
+
+
+def pytest(root: Path, tests: tuple[str, ...], to_the_end: bool, timeout: float,
+           deselect: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    cmd = [interpreter(), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--hypothesis-seed=0", "-rfE",
+           *(() if to_the_end else ("-x",)), *(f"--deselect={t}" for t in deselect), *tests]
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+FAILED = re.compile(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", re.M)
+
+
+def run_mutant(m: Mutant, to_the_end: bool = False, timeout: float = 600, deselect: tuple[str, ...] = ()) -> Result:
+    t0 = time.perf_counter()
+    result = Result(m.name, m.rule, m.file, m.origin, "stale", 0.0)
+    with tempfile.TemporaryDirectory(prefix="gpuorch-mutant-") as tmp:
+        root = copy_repo(Path(tmp))
+        path = root / m.file
+        text = path.read_text()
+        found = text.count(m.old)
+        mutated = text.replace(m.old, m.new)
+        if found != 1:
+            result.detail = f"the snippet is found {found} times in {m.file}: the code moved, update the mutant"
+        else:
+            try:
+                compile(mutated, m.file, "exec")
+            except SyntaxError as e:
+                result.detail = f"the mutant does not compile: {e}"
+            else:
+                path.write_text(mutated)
+                try:
+                    proc = pytest(root, RULES[m.rule].tests, to_the_end, timeout, deselect)
+                except subprocess.TimeoutExpired:
+                    result.status, result.detail = "killed", f"the tests ran past {timeout:g} s"
+                else:
+                    if proc.returncode == 0:
+                        result.status = "survived"
+                    elif proc.returncode in (1, 2, 3):  # failures, an error while collecting, an internal error
+                        result.status = "killed"
+                        result.killed_by = list(dict.fromkeys(FAILED.findall(proc.stdout)))
+                        if not result.killed_by:
+                            result.detail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+                    else:  # 4: a test named is gone; 5: nothing collected
+                        result.detail = f"pytest exit {proc.returncode}: the rule's tests are gone or renamed"
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def baseline(mutants: list[Mutant], timeout: float) -> tuple[str | None, tuple[str, ...]]:
+    """Run every test named on the unmutated code: (why the check cannot go on, or None; the tests that fail).
+
+    A test that fails unmutated (work in progress elsewhere) can kill nothing: it is left out of every mutant's
+    run and reported. The copy must import its own modules, not the working tree's.
+    """
+    tests = tuple(dict.fromkeys(t for m in mutants for t in RULES[m.rule].tests))
+    with tempfile.TemporaryDirectory(prefix="gpuorch-mutant-") as tmp:
+        root = copy_repo(Path(tmp))
+        env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+        where = subprocess.run([interpreter(), "-c", "import services.scheduler.core as c, shared.fairshare as f; "
+                                "print(c.__file__); print(f.__file__)"], cwd=root, env=env, capture_output=True,
+                               text=True).stdout.split()
+        if len(where) != 2 or not all(Path(w).is_relative_to(root) for w in where):
+            return f"the copy imports the code from elsewhere: {where}", ()
+        proc = pytest(root, tests, True, timeout)
+        failing = tuple(dict.fromkeys(FAILED.findall(proc.stdout)))
+        if proc.returncode == 0 or (proc.returncode == 1 and failing):
+            return None, failing
+        return f"the unmutated tests do not run (exit {proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}", ()
+
+
+def table(results: list[Result], seconds: float) -> str:
+    w = max(len(r.name) for r in results)
+    rw = max(len(r.rule) for r in results)
+    lines = [f"{'mutant':<{w}}  {'rule':<{rw}}  {'file':<32}  {'result':<8}  {'time':>6}  killed by"]
+    for r in results:
+        by = ", ".join(t.split("::")[-1] for t in r.killed_by[:3]) + (f" (+{len(r.killed_by) - 3})"
+                                                                       if len(r.killed_by) > 3 else "")
+        lines.append(f"{r.name:<{w}}  {r.rule:<{rw}}  {r.file:<32}  {r.status:<8}  {r.seconds:5.1f}s  "
+                     f"{by or r.detail}")
+    killed = sum(r.status == "killed" for r in results)
+    lines.append("")
+    lines.append(f"killed {killed} / {len(results)} in {seconds:.0f} s")
+    for status in ("survived", "stale"):
+        names = [r.name for r in results if r.status == status]
+        if names:
+            lines.append(f"{status}: {', '.join(names)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.mutants", description=__doc__.split("\n")[0])
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="a mutant's name (repeatable); a rule's name, or an origin (issue, once, rule): all of its mutants")
+    ap.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write the results as JSON (- : stdout)")
+    ap.add_argument("--count", action="store_true", help="run each mutant's tests to the end and list every failure")
+    ap.add_argument("--jobs", type=int, default=MAX_JOBS, help=f"mutants at a time (at most {MAX_JOBS})")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant's tests")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = ap.parse_args(argv)
+
+    mutants = [m for m in MUTANTS if not args.only or {m.name, m.rule, m.origin} & set(args.only)]
+    unknown = set(args.only) - {m.name for m in MUTANTS} - set(RULES) - {m.origin for m in MUTANTS}
+    if unknown:
+        ap.error(f"no mutant or rule named {', '.join(sorted(unknown))}")
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:<44} {m.origin:<6} {m.rule:<30} {m.file}")
+        return 0
+    quiet = args.json == "-"
+    t0 = time.perf_counter()
+    why, broken = baseline(mutants, args.timeout)
+    if why is not None:
+        print(f"baseline: {why}", file=sys.stderr)
+        return 2
+    for t in broken:
+        print(f"baseline: fails without a mutant, left out: {t}", file=sys.stderr)
+    jobs = max(1, min(args.jobs, MAX_JOBS))
+    results: list[Result] = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for r in pool.map(lambda m: run_mutant(m, args.count, args.timeout, broken), mutants):
+            results.append(r)
+            if not quiet:
+                print(f"{r.status:<8} {r.seconds:5.1f}s  {r.name}", file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - t0
+    if not quiet:
+        print(table(results, seconds))
+        if broken:
+            print(f"left out, failing without a mutant: {', '.join(broken)}")
+    if args.json:
+        doc = {
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, Python "
+                       f"{platform.python_version()}",
+            "seconds": round(seconds, 1),
+            "jobs": jobs,
+            "to_the_end": args.count,
+            "killed": sum(r.status == "killed" for r in results),
+            "total": len(results),
+            "survived": [r.name for r in results if r.status == "survived"],
+            "stale": [r.name for r in results if r.status == "stale"],
+            "baseline_failures": list(broken),
+            "per_rule": {rule: sum(r.rule == rule for r in results) for rule in dict.fromkeys(r.rule for r in results)},
+            "mutants": [{**asdict(r), "seconds": round(r.seconds, 1)} for r in results],
+        }
+        text = json.dumps(doc, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    return 0 if all(r.status == "killed" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""One scheduling cycle from the folded cluster: fair share and reclaim, the queues' policy, then the core.
+
+Pure, like the core: the service, the simulator and the what-if replay call ``decide`` with the projection,
+the time and the configured policy, and get the plan back; only the service commits it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from services.scheduler.core import Plan, Policy, run_cycle
+from services.scheduler.snapshot import snapshot_from_cluster
+from shared.cluster import ClusterProjection
+from shared.fairshare import job_share, leaves, reclaim_requests
+from shared.model import QueueSpec
+from shared.settings import Settings
+
+
+def configured_policy(settings: Settings) -> Policy:
+    """The policy the operator configured (GPUORCH_POLICY, GPUORCH_RECLAIM_GRACE_S, ...); ValueError naming the
+    policies if the name is unknown."""
+    return Policy(name=settings.policy, reclaim_grace_s=settings.reclaim_grace_s,
+                  max_preemptions_per_hour=settings.max_preemptions_per_hour)
+
+
+def effective_priority(queues: Mapping[str, QueueSpec], path: str) -> int:
+    """A leaf's reclaim priority: its own, else its nearest ancestor's (production > research > exploration)."""
+    while path:
+        spec = queues.get(path)
+        if spec is not None and spec.priority:
+            return spec.priority
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+    return 0
+
+
+def queue_policy(policy: Policy, queues: Mapping[str, QueueSpec]) -> Policy:
+    """The configured policy with what the queue specs add: each queue's minimum runtime before it may be
+    preempted, and the priority reclaim takes from (lowest first)."""
+    return replace(
+        policy,
+        min_runtime_s={q: s.preempt_min_runtime_s for q, s in queues.items() if s.preempt_min_runtime_s},
+        queue_priority={q: effective_priority(queues, q) for q in queues},
+    )
+
+
+def decide(proj: ClusterProjection, policy: Policy, now: float, half_life_s: float,
+           reclaim_after_s: float = 0.0) -> Plan:
+    """One cycle from the folded state at ``now``: entitlements and reclaim requests from the fair share, then the
+    core with the queues' policy."""
+    queues = proj.queues
+    # 1. entitlements: the fair-share division of what the cluster holds now, by decayed usage
+    division = proj.division(now, half_life_s)
+    leaf_ent = {q: division.entitlement.get(q, 0.0) for q in leaves(queues)}
+    # 2. reclaim only for work that has waited a while: ordinary churn often frees the GPUs first, without evicting
+    alloc, waiting = proj.queue_load(waited_before=now - reclaim_after_s)
+    ratios = proj.share_ratios()
+    smallest: dict[str, float] = {}
+    for job in proj.jobs.values():
+        if job.state == "queued":
+            smallest[job.spec.queue] = min(smallest.get(job.spec.queue, float("inf")), job_share(job.spec, ratios))
+    reclaims = reclaim_requests(queues, alloc, waiting, leaf_ent, smallest)
+    # 3. the core decides on the snapshot
+    return run_cycle(snapshot_from_cluster(proj, now, leaf_ent), queue_policy(policy, queues), now, reclaims)

@@ -1,0 +1,212 @@
+"""A projection: state folded from events, ``apply(state, event) -> state``, with its digest and snapshots.
+
+Pure: no I/O, no clock (time is the envelope's), nothing of the bus or the HTTP edge, so the decision modules
+that read a projection stay pure too. ``shared.runtime`` runs projections against the event log.
+
+A snapshot records the version of the code that wrote it: the ``SNAPSHOT_VERSION`` of every class in the
+projection's hierarchy that declares one (bumped when that class's ``state()`` shape, or what its folds
+compute, changes) and a fingerprint of the event types the code reads (an event older code skipped as unknown
+is folded by newer code: its snapshot would miss it). ``restore`` refuses a snapshot of another version, or one
+it cannot read, with ``SnapshotUnusable``: the service then replays the log from the start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, ClassVar, NamedTuple
+
+from pydantic_core import from_json, to_json
+
+from shared.events import REGISTRY, UPCASTERS, Envelope, Event, LeaderElected
+
+
+class SnapshotUnusable(Exception):
+    """A snapshot this code must not read (another version, not a snapshot at all): replay the log instead."""
+
+
+def events_generation() -> str:
+    """A fingerprint of the event types (and old versions, upcast on read) this code folds."""
+    known = sorted({*REGISTRY, *UPCASTERS})
+    return hashlib.sha256("\n".join(known).encode()).hexdigest()[:12]
+
+
+class Term(NamedTuple):
+    """A leader's term as the log recorded it: the epoch, and the sequence of its ``leader.elected``."""
+
+    epoch: int
+    seq: int
+
+
+class Projection:
+    """State folded from events. ``apply`` is a deterministic function of (state, event).
+
+    Subclasses write ``on_<aggregate>_<verb>(self, env, event)`` methods (for
+    ``job.placed``: ``on_job_placed``) and ``state()``/``load()`` for snapshots and
+    digests. A method calls ``self.invalid(env, why)`` for a transition that must not
+    happen (a GPU already taken, a job already ended): the event is recorded and
+    changes nothing, and ``apply`` returns False so that no reaction acts on it.
+    ``kind`` tells the rejections the design expects from real invalid transitions
+    (``gpuorch events verify`` fails only on those): ``fenced`` (a decision of a
+    leader whose term is over), ``refused`` (a report or an election from the wrong
+    source), ``invalid`` (anything else).
+    """
+
+    name: ClassVar[str] = "projection"
+    SNAPSHOT_VERSION: ClassVar[int] = 1  # of the fields below (seq, applied, rejections, epochs, terms)
+    _dispatch: ClassVar[dict[type[Event], str]] = {}
+    MAX_INVALID = 1000
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls._dispatch = {
+            ev: f"on_{ev.TYPE.replace('.', '_')}" for ev in REGISTRY.values() if hasattr(cls, f"on_{ev.TYPE.replace('.', '_')}")
+        }
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.applied = 0
+        self.invalid_count = 0
+        self.invalid_transitions: list[str] = []
+        self.invalid_kinds: list[str] = []  # the kind of each of invalid_transitions
+        self.kinds: dict[str, int] = {}  # invalid events per kind
+        self.epochs: dict[str, int] = {}  # source -> highest epoch seen, for a source with no election in the log yet
+        self.terms: dict[str, Term] = {}  # source -> its latest leader.elected: the one epoch its decisions may carry
+        self.rejected: dict[int, None] = {}  # sequences of the latest events recorded invalid, oldest first
+
+    def apply(self, env: Envelope) -> bool:
+        """Fold one event. False if it changed nothing: a redelivery (at or below the last applied
+        sequence), or an event recorded invalid (``was_rejected`` tells them apart).
+
+        A decision (an event with a leader epoch) counts only if its epoch is the current term of
+        its source: the epoch of the latest ``leader.elected`` for that source, in log order, not the
+        highest. So a made-up epoch changes nothing, and a forged election lasts only until the real
+        leader records its term again. A source with no election in the log yet (a log written
+        before elections were recorded) keeps the older rule, so that such a log replays to the same
+        state: an epoch below the highest one seen from that source is stale.
+        """
+        if env.seq and env.seq <= self.seq:
+            return False
+        if env.seq:
+            self.seq = env.seq
+        if env.epoch is not None:
+            term = self.terms.get(env.source)
+            if term is None:
+                seen = self.epochs.get(env.source, 0)
+                if env.epoch < seen:
+                    return self._reject(env, f"stale leader epoch {env.epoch} < {seen}", "fenced")
+                self.epochs[env.source] = env.epoch
+            elif env.epoch != term.epoch:
+                return self._reject(env, f"epoch {env.epoch} is not the current term {term.epoch} of {env.source}", "fenced")
+        if isinstance(env.data, LeaderElected):  # like epochs, terms are no state: a restart's new term keeps the digest
+            if env.data.source != env.source:
+                return self._reject(env, f"an election for {env.data.source} appended by {env.source}", "refused")
+            self.terms[env.source] = Term(env.data.epoch, env.seq)
+            return True
+        invalid = self.invalid_count
+        method = self._dispatch.get(type(env.data))
+        self.applied += 1
+        if method is not None:
+            getattr(self, method)(env, env.data)
+        return self.invalid_count == invalid
+
+    def _reject(self, env: Envelope, why: str, kind: str) -> bool:
+        self.invalid(env, why, kind)
+        return False
+
+    def was_rejected(self, seq: int) -> bool:
+        """Whether the event at ``seq`` was recorded invalid (known for the latest MAX_INVALID of them)."""
+        return seq in self.rejected
+
+    def skip(self, seq: int, subject: str = "") -> None:
+        """Advance past an event this code cannot read (stored on ``subject``)."""
+        self.seq = max(self.seq, seq)
+
+    def invalid(self, env: Envelope, why: str, kind: str = "invalid") -> None:
+        self.invalid_count += 1
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        if len(self.invalid_transitions) < self.MAX_INVALID:
+            self.invalid_transitions.append(f"seq={env.seq} {env.type} {env.subject}: {why}")
+            self.invalid_kinds.append(kind)
+        self.rejected[env.seq] = None
+        if len(self.rejected) > self.MAX_INVALID:
+            del self.rejected[next(iter(self.rejected))]
+
+    # --- state -----------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def load(self, state: dict[str, Any]) -> None:
+        pass
+
+    def digest(self) -> str:
+        """sha256 of the canonical state; cached per position, since a poll of /v1/services should not refold."""
+        key = (self.seq, self.applied, self.invalid_count)
+        if getattr(self, "_digest_key", None) != key:
+            body = {"applied": self.applied, "invalid": self.invalid_count, "state": self.state()}
+            self._digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+            self._digest_key = key
+        return self._digest
+
+    def snapshot(self) -> bytes:
+        return to_json(
+            {
+                "version": self.snapshot_version(),
+                "seq": self.seq,
+                "applied": self.applied,
+                "invalid_count": self.invalid_count,
+                "invalid": self.invalid_transitions,
+                "invalid_kinds": self.invalid_kinds,
+                "kinds": self.kinds,
+                "epochs": self.epochs,
+                "terms": self.terms,
+                "rejected": list(self.rejected),
+                "state": self.state(),
+            },
+        )
+
+    @classmethod
+    def snapshot_version(cls) -> dict[str, Any]:
+        """What a snapshot must have been written by to be read: each class's SNAPSHOT_VERSION, the events'
+        generation."""
+        classes = {k.__name__: k.__dict__["SNAPSHOT_VERSION"] for k in reversed(cls.__mro__)
+                   if "SNAPSHOT_VERSION" in k.__dict__}
+        return {**classes, "events": events_generation()}
+
+    def restore(self, blob: bytes) -> None:
+        """Load a snapshot. SnapshotUnusable, and this projection unchanged, if it is of another version (one
+        written before snapshots had versions too) or cannot be read."""
+        try:
+            doc = from_json(blob)
+        except ValueError as e:
+            raise SnapshotUnusable(f"not JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise SnapshotUnusable(f"not a snapshot document (a JSON {type(doc).__name__})")
+        found, wanted = doc.get("version"), self.snapshot_version()
+        if found != wanted:
+            why = "no version (written before snapshots had versions)" if found is None else \
+                f"version {json.dumps(found, sort_keys=True)}"
+            raise SnapshotUnusable(f"{why}; this code reads {json.dumps(wanted, sort_keys=True)}")
+        fresh = type(self)()
+        try:
+            fresh._restore(doc)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a pydantic ValidationError is a ValueError
+            raise SnapshotUnusable(f"unreadable state ({type(e).__name__}: {e})") from None
+        self.__dict__.clear()
+        self.__dict__.update(fresh.__dict__)
+
+    def _restore(self, doc: dict[str, Any]) -> None:
+        for key, kind in (("seq", int), ("applied", int), ("invalid_count", int), ("invalid", list), ("epochs", dict),
+                          ("state", dict)):
+            if not isinstance(doc[key], kind):
+                raise TypeError(f"{key} is {type(doc[key]).__name__}, not {kind.__name__}")
+        self.seq, self.applied = doc["seq"], doc["applied"]
+        self.invalid_count, self.invalid_transitions = doc["invalid_count"], doc["invalid"]
+        # older snapshots did not tell kinds apart: their rejections count as invalid
+        self.invalid_kinds = doc.get("invalid_kinds", ["invalid"] * len(self.invalid_transitions))
+        self.kinds = doc.get("kinds", {"invalid": self.invalid_count} if self.invalid_count else {})
+        self.epochs = doc["epochs"]
+        self.terms = {source: Term(*t) for source, t in doc.get("terms", {}).items()}  # older snapshots: none
+        self.rejected = dict.fromkeys(doc.get("rejected", []))
+        self.load(doc["state"])

@@ -1,0 +1,97 @@
+"""`gpuorch submit -f`, `--dry-run` and `gpuorch queues set|delete|apply` on the real in-process stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from services import cli
+from tests.support import in_process_stack, nodes_up, until
+
+INPUTS = Path(__file__).resolve().parents[1] / "data" / "inputs"
+
+
+def through(client, loop: asyncio.AbstractEventLoop):
+    """cli.api, answered by the in-process stack's ASGI app (the CLI runs in a thread beside the stack's loop)."""
+    def api(method: str, url: str, path: str, **kw):
+        resp = asyncio.run_coroutine_threadsafe(client.request(method, path, **kw), loop).result(30)
+        if resp.status_code >= 400:
+            cli.fail(f"{resp.json().get('detail')} (HTTP {resp.status_code})")
+        return resp.json()
+    return api
+
+
+async def gpuorch(*args: str) -> tuple[int, str]:
+    res = await asyncio.to_thread(CliRunner().invoke, cli.app, list(args))
+    return res.exit_code, res.output
+
+
+async def test_submit_f_of_an_sbatch_two_node_by_eight_gpu_job_runs_its_tasks_on_two_distinct_nodes(
+        eventlog, agents, monkeypatch):
+    agents("a", "b", profile="dgx-h100")
+    async with in_process_stack(eventlog) as (client, _):
+        monkeypatch.setattr(cli, "api", through(client, asyncio.get_running_loop()))
+        await nodes_up(client, 2)
+
+        code, out = await gpuorch("submit", "-f", str(INPUTS / "two_nodes_eight_gpus.sh"), "--json")
+        assert code == 0, out
+        submitted = json.loads(out[out.index("{"):])
+        assert submitted["tasks"] == 2 and submitted["spec"]["tasks_per_node"] == 1
+
+        async def ended():
+            job = (await client.get(f"/v1/jobs/{submitted['id']}")).json()
+            return job if job["state"] in ("succeeded", "failed") else None
+        job = await until(ended, 60, "the job to end")
+        assert job["state"] == "succeeded", job
+        assert sorted(p["node"] for p in job["placement"]) == ["a", "b"]
+        assert all(len(p["gpus"]) == 8 for p in job["placement"])
+        logs = [(await client.get(f"/v1/jobs/{job['id']}/logs", params={"task": t})).json()["data"] for t in (0, 1)]
+        assert sorted(log.split(" on ")[0] for log in logs) == ["node rank 0 of 2", "node rank 1 of 2"], logs
+
+
+async def test_dry_run_and_queue_commands_from_the_command_line(eventlog, monkeypatch, tmp_path):
+    from shared import events as ev
+    from shared.events import Envelope
+    from tests.builders import node
+
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        monkeypatch.setattr(cli, "api", through(client, asyncio.get_running_loop()))
+        await eventlog.append_many([Envelope(ev.NodeRegistered(node_id=f"n{i}", node=node(f"n{i}").gpus(8).build()))
+                                    for i in range(2)])
+
+        code, out = await gpuorch("queues", "apply", "-f", str(INPUTS / "kueue_cluster_queues.yaml"))
+        assert code == 0, out
+        queues = {q["path"]: q for q in (await client.get("/v1/queues")).json()}
+        assert queues["research.team-a"]["limit"] == {"gpus": 12.0}
+        assert queues["research.team-a.training"]["guaranteed"] == {"gpus": 0.0}
+        code, out = await gpuorch("queues", "apply", "-f", str(INPUTS / "kueue_cluster_queues.yaml"))
+        assert code == 0 and out.count("unchanged") == 4, out
+
+        code, out = await gpuorch("queues", "set", "research.team-b", "--limit", "10", "--weight", "3")
+        assert code == 0 and "updated" in out, out
+        team_b = next(q for q in (await client.get("/v1/queues")).json() if q["path"] == "research.team-b")
+        assert (team_b["guaranteed"], team_b["limit"], team_b["weight"]) == ({"gpus": 8.0}, {"gpus": 10.0}, 3.0)
+        code, out = await gpuorch("queues", "set", "scratch", "--guarantee", "0")
+        assert code == 0 and "created" in out, out
+        code, out = await gpuorch("queues", "delete", "scratch")
+        assert code == 0 and "deleted" in out, out
+        assert "scratch" not in {q["path"] for q in (await client.get("/v1/queues")).json()}
+
+        before = await eventlog.last_seq()
+        manifest = tmp_path / "job.yaml"
+        manifest.write_text((INPUTS / "job_single_gpu.yaml").read_text().replace("team-a-queue", "training")
+                            .replace("NVIDIA-A100-SXM4-80GB", "NVIDIA-H100-80GB-HBM3"))
+        code, out = await gpuorch("submit", "-f", str(manifest), "--dry-run")
+        assert code == 0, out
+        assert "would be submitted to queue research.team-a.training" in out
+        assert "it would be placed now" in out and "warning:" in out, out
+        code, out = await gpuorch("submit", "-f", str(INPUTS / "megatron_multinode.sbatch"), "--dry-run", "-q",
+                                  "research.team-b")
+        assert code == 1 and "it would be refused (HTTP 422)" in out, out
+        assert await eventlog.last_seq() == before, "a dry run appended to the log"
+
+        code, out = await gpuorch("submit", "-f", str(INPUTS / "array_sweep.sh"))
+        assert code == 1 and "job arrays are not supported yet" in out

@@ -1,0 +1,137 @@
+"""``decide``: one cycle from the folded cluster (fair share, reclaim, the queues' policy, the core), outside the
+stack; and the glue from settings and queue specs to the ``Policy`` the core reads."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from services.scheduler.core import Policy
+from services.scheduler.decide import configured_policy, decide, effective_priority, queue_policy
+from shared.model import GpuAmount, QueueSpec
+from shared.settings import Settings
+from tests.builders import ClusterBuilder, cluster, job, node
+
+HOUR = 3600.0
+NOW = 10_000.0
+
+
+def borrowed(**queues: QueueSpec) -> ClusterBuilder:
+    """One 8-GPU node held whole by queue ``b`` (four 2-GPU jobs started at 0), and a 4-GPU job of queue ``a``
+    waiting since NOW - 100; ``a`` and ``b`` are each guaranteed 4 GPUs unless ``queues`` says otherwise."""
+    c = cluster(node("n1").gpus(8))
+    c.proj.queues.update({"a": QueueSpec(guaranteed=GpuAmount(gpus=4)), "b": QueueSpec(guaranteed=GpuAmount(gpus=4)),
+                          **queues})
+    for i in range(4):
+        c.running(job(f"b{i}").gpus(2).queue("b").build(), on=[("n1", [2 * i, 2 * i + 1])], job_id=f"b{i}")
+    c.pending(job("a0").gpus(4).queue("a").build(), "a0", at=NOW - 100)
+    c.proj.jobs["a0"].updated_at = NOW - 100
+    return c
+
+
+# --- decide --------------------------------------------------------------------------------------------------
+
+
+def test_a_queue_below_its_guarantee_reclaims_from_the_borrower_with_the_reclaim_grace() -> None:
+    plan = decide(borrowed().proj, Policy(reclaim_grace_s=120), NOW, HOUR)
+
+    assert [p.job_id for p in plan.preemptions] == ["b0", "b1"], "the cheapest victims that free 4 GPUs"
+    assert {(p.reason, p.grace_s, p.for_queue) for p in plan.preemptions} == {
+        ("reclaimed for queue a (queue b is over its share)", 120, "a")}
+    assert plan.unschedulable["a0"] == "waiting for b0, b1 to leave: reclaimed for queue a (grace 120 s)"
+
+
+@pytest.mark.parametrize(("reclaim_after_s", "reclaims"), [
+    pytest.param(0.0, True, id="at once"),
+    pytest.param(99.0, True, id="waited longer than asked"),
+    pytest.param(101.0, False, id="not waited long enough yet"),
+])
+def test_reclaim_waits_for_work_that_has_waited_reclaim_after_s(reclaim_after_s: float, reclaims: bool) -> None:
+    plan = decide(borrowed().proj, Policy(), NOW, HOUR, reclaim_after_s=reclaim_after_s)
+
+    assert bool(plan.preemptions) is reclaims
+
+
+def test_a_borrower_younger_than_its_queues_minimum_runtime_is_not_reclaimed() -> None:
+    young = borrowed(b=QueueSpec(guaranteed=GpuAmount(gpus=4), preempt_min_runtime_s=int(NOW) + 1))
+    old_enough = borrowed(b=QueueSpec(guaranteed=GpuAmount(gpus=4), preempt_min_runtime_s=int(NOW) - 1))
+
+    assert decide(young.proj, Policy(), NOW, HOUR).preemptions == ()
+    assert decide(old_enough.proj, Policy(), NOW, HOUR).preemptions != ()
+
+
+def test_decide_reads_the_projection_and_changes_nothing_and_decides_the_same_twice() -> None:
+    c = borrowed()
+    before = c.proj.digest()
+
+    first, again = decide(c.proj, Policy(seed=7), NOW, HOUR), decide(c.proj, Policy(seed=7), NOW, HOUR)
+
+    assert c.proj.digest() == before
+    assert first == again
+
+
+@pytest.mark.parametrize(("half_life_s", "heavy", "light"), [
+    pytest.param(HOUR, 1, 3, id="remembered: the queue that used much gets less"),
+    pytest.param(60.0, 2, 2, id="forgotten: an even split"),
+])
+def test_usage_counts_against_a_queue_until_it_decays_with_the_half_life(half_life_s: float, heavy: int,
+                                                                         light: int) -> None:
+    c = cluster(node("n1").gpus(4))
+    c.proj.queues.update({"heavy": QueueSpec(), "light": QueueSpec()})
+    c.proj.accounting["heavy"] = {0: 100_000.0}  # GPU-seconds held in the first hour, ~2.3 h before NOW
+    for i in range(4):
+        c.pending(job(f"h{i}").gpus(1).queue("heavy").build(), f"h{i}", at=i)  # heavy's jobs came first
+        c.pending(job(f"l{i}").gpus(1).queue("light").build(), f"l{i}", at=10 + i)
+
+    placed = decide(c.proj, Policy(), NOW, half_life_s).placements
+
+    assert (sum(j.startswith("h") for j in placed), sum(j.startswith("l") for j in placed)) == (heavy, light)
+
+
+# --- the policy: settings and queue specs --------------------------------------------------------------------
+
+
+def test_the_configured_policy_comes_from_the_settings() -> None:
+    policy = configured_policy(Settings(policy="binpack", reclaim_grace_s=60, max_preemptions_per_hour=1))
+
+    assert (policy.name, policy.reclaim_grace_s, policy.max_preemptions_per_hour) == ("binpack", 60, 1)
+    assert configured_policy(Settings()) == Policy(name="fgd+", reclaim_grace_s=300, max_preemptions_per_hour=3)
+
+
+def test_an_unknown_policy_name_is_refused_with_the_names_to_choose_from() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'nope'; choose one of .*fgd"):
+        configured_policy(Settings(policy="nope"))
+
+
+def test_queue_specs_add_minimum_runtimes_and_reclaim_priorities_to_the_policy_and_keep_the_rest() -> None:
+    queues = {
+        "default": QueueSpec(),
+        "production": QueueSpec(priority=2, preempt_min_runtime_s=600),
+        "production.inference": QueueSpec(),
+        "research": QueueSpec(priority=1),
+        "research.nlp": QueueSpec(preempt_min_runtime_s=60),
+        "research.nlp.big": QueueSpec(priority=-1),
+    }
+    base = Policy(name="binpack", reclaim_grace_s=60, min_runtime_s={"gone": 5}, queue_priority={"gone": 9})
+
+    policy = queue_policy(base, queues)
+
+    assert policy.min_runtime_s == {"production": 600, "research.nlp": 60}, "a queue's own, never inherited"
+    assert policy.queue_priority == {"default": 0, "production": 2, "production.inference": 2, "research": 1,
+                                     "research.nlp": 1, "research.nlp.big": -1}
+    assert replace(policy, min_runtime_s={}, queue_priority={}) == replace(base, min_runtime_s={}, queue_priority={})
+
+
+@pytest.mark.parametrize(("path", "priority"), [
+    pytest.param("production.inference", 2, id="from its parent"),
+    pytest.param("production.inference.eu", 2, id="from its grandparent"),
+    pytest.param("research.nlp", 3, id="its own before its parent's"),
+    pytest.param("exploration", 0, id="none anywhere"),
+    pytest.param("unknown.leaf", 0, id="an unknown queue"),
+])
+def test_a_queues_reclaim_priority_is_its_own_else_its_nearest_ancestors(path: str, priority: int) -> None:
+    queues = {"production": QueueSpec(priority=2), "production.inference": QueueSpec(),
+              "research": QueueSpec(priority=1), "research.nlp": QueueSpec(priority=3), "exploration": QueueSpec()}
+
+    assert effective_priority(queues, path) == priority

@@ -1,0 +1,345 @@
+"""Tasks are contained: their job's environment only, their owner's account, no reach into the agent's files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import signal
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from services.inventory.agent import Agent
+from services.inventory.runas import RunAs, RunAsRefused, UserMap, UserMapError, load_user_map, resolve
+from services.inventory.taskdir import (LogNotFound, StateUnreadable, make_task_dir, make_workspace, read_exit,
+                                        read_task_log)
+from shared import events as ev
+from shared.cluster import JobRecord
+from shared.eventlog import EventLog
+from shared.profiles import build
+from tests.builders import job
+from tests.support import AgentProc, as_user, in_process_stack, nodes_up, until
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="switching a task's user needs a root agent")
+DOCUMENTED = {"CUDA_VISIBLE_DEVICES", "GPUORCH_JOB_ID", "GPUORCH_ATTEMPT", "GPUORCH_GPU_SHARES", "MASTER_ADDR",
+              "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"}
+BASE = {"PATH", "HOME", "TMPDIR", "USER", "LOGNAME", "LANG"}
+PRINT_ENV_AND_WAIT = ("python3", "-c", "import os, json, sys, time; print(json.dumps(dict(os.environ))); "
+                      "sys.stdout.flush(); time.sleep(60)")
+
+
+@pytest.fixture
+def agent_with(tmp_path: Path, nats_url: str):
+    """``agent_with("a", "--user-map", path)``: a simulated agent process with more options."""
+    made: list[AgentProc] = []
+
+    def make(node_id: str, *args: str) -> AgentProc:
+        work = tmp_path / "agents" / node_id
+        work.mkdir(parents=True)
+        made.append(AgentProc(nats_url, node_id, work, args=args).start())
+        return made[-1]
+
+    yield make
+    for a in made:
+        a.stop_everything()
+
+
+@pytest.fixture
+def local_user():
+    """A system account made for this test (and removed after it): a job owner with a local account."""
+    name = f"gpuorch-t-{os.urandom(3).hex()}"
+    subprocess.run(["useradd", "--system", "--no-create-home", name], check=True)
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        subprocess.run(["userdel", name], check=False)
+
+
+async def submit(client, name: str, command: tuple[str, ...], **spec) -> str:
+    body = job(name).gpus(1).build().model_copy(update={"command": command, **spec}).model_dump(mode="json")
+    r = await client.post("/v1/jobs", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+async def final(client, job_id: str) -> dict:
+    async def check():
+        j = (await client.get(f"/v1/jobs/{job_id}")).json()
+        return j if j["state"] in ("succeeded", "failed", "cancelled") else None
+    return await until(check, 30, f"job {job_id} to end")
+
+
+def output(agent: AgentProc, job_id: str, stream: str = "stdout") -> str:
+    try:
+        return read_task_log(agent.work, job_id, None, 0, stream, 0, 1 << 20)["data"]
+    except LogNotFound:
+        return ""
+
+
+def task_dir(agent: AgentProc, job_id: str) -> Path:
+    [d] = agent.work.glob(f"jobs/{job_id}/*/0")
+    return d
+
+
+async def test_a_task_gets_its_jobs_environment_and_nothing_of_its_agents(eventlog: EventLog, agents, monkeypatch):
+    monkeypatch.setenv("GPUORCH_TEST_SECRET", "leak")  # in the agent's environment, not the job's
+    async with in_process_stack(eventlog) as (client, _):
+        agent = agents("a")[0]
+        await nodes_up(client, 1)
+        job_id = await submit(client, "env", PRINT_ENV_AND_WAIT,
+                              env={"EPOCHS": "3", "RANK": "99", "HF_TOKEN": "hf-1", "LD_PRELOAD": "/no/such.so"})
+        env = json.loads(await until(lambda: _line(agent, job_id), 20, "the task to print its environment"))
+        assert "GPUORCH_TEST_SECRET" not in env
+        assert set(env) == BASE | DOCUMENTED | {"EPOCHS", "HF_TOKEN", "LD_PRELOAD"}, set(env) ^ (BASE | DOCUMENTED)
+        assert (env["EPOCHS"], env["HF_TOKEN"]) == ("3", "hf-1"), "a job's secret env reaches its task too"
+        assert env["RANK"] == "0" and env["GPUORCH_JOB_ID"] == job_id, "the documented variables win over the job's"
+        d = task_dir(agent, job_id)
+        assert (env["HOME"], env["TMPDIR"], env["LANG"]) == (str(d / "work"), str(d / "work" / "tmp"), "C.UTF-8")
+        assert env["PATH"].split(":")[0] == os.path.dirname(sys.executable)
+        expected_user = "nobody" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+        assert env["USER"] == env["LOGNAME"] == expected_user
+        launcher = Path(f"/proc/{int((d / 'pid').read_text())}/environ").read_bytes().split(b"\0")
+        assert not any(v.startswith((b"LD_PRELOAD=", b"EPOCHS=", b"HF_TOKEN=")) for v in launcher), \
+            "the launcher (the agent's user) never gets the job's variables"
+        assert not (d / "env.json").exists(), "the launcher removes the task's environment once read"
+        assert (await client.delete(f"/v1/jobs/{job_id}")).status_code == 200
+
+
+async def _line(agent: AgentProc, job_id: str) -> str | None:
+    out = output(agent, job_id)
+    return out.splitlines()[0] if out.endswith("\n") else None
+
+
+@root_only
+async def test_a_root_agent_runs_a_task_as_its_owner_in_a_work_dir_of_its_own(eventlog: EventLog, agents, local_user):
+    async with in_process_stack(eventlog) as (client, _):
+        agent = agents("a")[0]
+        await nodes_up(client, 1)
+        owner = await as_user(client, local_user.pw_name)
+        job_id = await submit(owner, "whoami", ("sh", "-c", "id -u; id -g; id -G; touch made-here"))
+        done = await final(client, job_id)
+        assert done["state"] == "succeeded", (done, output(agent, job_id, "stderr"))
+        uid, gid, groups = output(agent, job_id).split("\n")[:3]
+        assert (int(uid), int(gid)) == (local_user.pw_uid, local_user.pw_gid)
+        assert sorted(map(int, groups.split())) == sorted(set(os.getgrouplist(local_user.pw_name, local_user.pw_gid)))
+        d = task_dir(agent, job_id)
+        work = (d / "work").stat()
+        assert (work.st_uid, work.st_gid, stat.S_IMODE(work.st_mode)) == (local_user.pw_uid, local_user.pw_gid, 0o700)
+        assert (d / "work" / "made-here").stat().st_uid == local_user.pw_uid
+        for agents_own in (d, d.parent, d.parent.parent, agent.work / "jobs"):
+            st = agents_own.lstat()
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o711), f"{agents_own}: the task can only pass through"
+        for log in ("stdout.log", "stderr.log"):
+            st = (d / log).lstat()
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600), f"{log}: the agent's alone"
+
+
+@root_only
+async def test_an_owner_with_no_account_fails_its_job_with_the_reason_and_runs_nothing(
+        eventlog: EventLog, agent_with, tmp_path):
+    users = tmp_path / "users.yaml"
+    users.write_text("users: {}\ndefault: null\n")
+    async with in_process_stack(eventlog) as (client, _):
+        agent = agent_with("n1", "--user-map", str(users))
+        await nodes_up(client, 1)
+        stranger = await as_user(client, "gpuorch-no-such-user")
+        job_id = await submit(stranger, "stranger", ("sh", "-c", "touch ran"))
+        done = await final(client, job_id)
+        assert (done["state"], done["exit_code"]) == ("failed", 126)
+        assert "no local account for owner 'gpuorch-no-such-user' on node n1: add it to the user map" in done["reason"]
+        history = [h["type"].split(".")[3] for h in (await client.get(f"/v1/jobs/{job_id}/events")).json()]
+        assert (history.count("task_started"), history.count("task_exited")) == (0, 1)
+        assert not (task_dir(agent, job_id) / "work").exists()
+
+
+@root_only
+async def test_an_owner_resolving_to_root_is_refused(eventlog: EventLog, agents):
+    async with in_process_stack(eventlog) as (client, _):
+        agent = agents("a")[0]
+        await nodes_up(client, 1)
+        root = await as_user(client, "root")
+        job_id = await submit(root, "as-root", ("sh", "-c", "touch ran"))
+        done = await final(client, job_id)
+        assert (done["state"], done["exit_code"]) == ("failed", 126)
+        assert "owner 'root' would run as root on node a" in done["reason"] and "--allow-root-tasks" in done["reason"]
+        assert not (task_dir(agent, job_id) / "work").exists()
+
+
+@root_only
+async def test_a_task_cannot_replace_its_logs_with_a_link(eventlog: EventLog, agents, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("TOPSECRET\n")
+    secret.chmod(0o600)
+    async with in_process_stack(eventlog) as (client, _):
+        agent = agents("a")[0]
+        await nodes_up(client, 1)
+        steal = f"ln -sf {secret} ../stderr.log; ln -sf {secret} stderr.log; echo tried"
+        job_id = await submit(client, "steal", ("sh", "-c", steal))
+        await final(client, job_id)
+        d = task_dir(agent, job_id)
+        assert stat.S_ISREG((d / "stderr.log").lstat().st_mode)
+        err = output(agent, job_id, "stderr")
+        assert "Permission denied" in err and "TOPSECRET" not in err
+        (d / "stderr.log").unlink()  # were a link there anyway (planted as root), the API would not follow it
+        (d / "stderr.log").symlink_to(secret)
+        r = await client.get(f"/v1/jobs/{job_id}/logs", params={"stream": "stderr"})
+        assert r.status_code == 404 and "TOPSECRET" not in r.text, r.text
+
+
+# --- reading logs and records: a planted link, FIFO or path never steers a read ------------------------------
+
+
+@pytest.fixture
+def task(tmp_path: Path) -> Path:
+    d = make_task_dir(tmp_path / "work", "j-1", 3, 0)
+    make_workspace(d, None)
+    (d / "stdout.log").write_bytes(b"0123456789")
+    return d
+
+
+def test_a_log_is_read_from_an_offset_up_to_a_limit(task: Path):
+    assert read_task_log(task.parents[3], "j-1", None, 0, "stdout", 2, 5) == {
+        "task": 0, "attempt": 3, "stream": "stdout", "offset": 2, "next_offset": 7, "data": "23456"}
+
+
+def test_a_log_that_is_a_link_is_not_followed(task: Path, tmp_path: Path):
+    (tmp_path / "secret").write_text("TOPSECRET")
+    (task / "stderr.log").symlink_to(tmp_path / "secret")
+    with pytest.raises(LogNotFound, match="symbolic links"):
+        read_task_log(task.parents[3], "j-1", 3, 0, "stderr", 0, 100)
+
+
+def test_a_task_directory_that_is_a_link_is_not_followed(task: Path, tmp_path: Path):
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "3" / "0").mkdir(parents=True)
+    (elsewhere / "3" / "0" / "stdout.log").write_text("TOPSECRET")
+    (task.parents[3] / "jobs" / "j-2").symlink_to(elsewhere)
+    with pytest.raises(LogNotFound):
+        read_task_log(task.parents[3], "j-2", 3, 0, "stdout", 0, 100)
+    with pytest.raises(LogNotFound):
+        read_task_log(task.parents[3], "j-2", None, 0, "stdout", 0, 100)
+
+
+def test_a_fifo_in_place_of_a_log_is_refused_without_blocking(task: Path):
+    fifo = task / "stderr.log"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | dict] = []
+    reader = threading.Thread(target=lambda: outcome.append(_try(read_task_log, task.parents[3], "j-1", 3, 0,
+                                                                 "stderr", 0, 100)), daemon=True)
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive(), "reading a FIFO blocked"
+    assert isinstance(outcome[0], LogNotFound) and "not a regular file" in str(outcome[0])
+
+
+def _try(f, *args):
+    try:
+        return f(*args)
+    except Exception as e:  # noqa: BLE001 - handed back to the test
+        return e
+
+
+@pytest.mark.parametrize("job_id", ["../../outside", "../j-1", "j-1/../j-1", "J-1", "", "j-1\0"])
+def test_a_job_id_that_is_not_one_never_reaches_the_file_system(task: Path, tmp_path: Path, job_id: str):
+    planted = tmp_path / "outside" / "3" / "0"
+    planted.mkdir(parents=True)
+    (planted / "stdout.log").write_text("TOPSECRET")
+    with pytest.raises(LogNotFound, match="not a job id"):
+        read_task_log(task.parents[3], job_id, 3, 0, "stdout", 0, 100)
+
+
+async def test_a_forged_job_id_makes_the_agent_create_nothing(tmp_path: Path):
+    node = build("t4-4x", "n1")
+    agent = Agent(node, tmp_path / "work")
+    forged = "../../../../forged"
+    agent.proj.jobs[forged] = JobRecord(forged, job("x").gpus(1).build(), state="placed")
+    placed = ev.JobPlaced.model_construct(job_id=forged, placements=(
+        ev.TaskPlacement(task=0, node_id="n1", gpus=(ev.GpuShare(uuid=node.gpus[0].uuid, milli=1000),)),))
+    await agent.start(placed, 1, 0)
+    assert list(tmp_path.iterdir()) == [], "nothing created, inside the work dir or out of it"
+    assert agent.tasks == {}
+
+
+@pytest.mark.parametrize("plant, why", [
+    (lambda d: (d / "exit.json").write_text("{not json"), "not JSON"),
+    (lambda d: (d / "exit.json").write_text("[0]"), "not an object"),
+    (lambda d: (d / "exit.json").write_text('{"code": "0"}'), "must be integers"),
+    (lambda d: (d / "exit.json").write_text(" " * 5000), "over 4096 bytes"),
+    (lambda d: (d / "exit.json").symlink_to(d / "real.json"), "symbolic links"),
+    (lambda d: os.mkfifo(d / "exit.json"), "not a regular file"),
+], ids=["garbled", "a list", "a string code", "huge", "a link", "a fifo"])
+def test_an_exit_record_that_cannot_be_trusted_is_unreadable(task: Path, plant, why: str):
+    (task / "real.json").write_text('{"code": 0}')
+    plant(task)
+    with pytest.raises(StateUnreadable, match=why):
+        read_exit(task)
+
+
+async def test_a_corrupt_exit_record_is_reported_lost_and_the_next_task_still_reported(eventlog: EventLog, agents):
+    async with in_process_stack(eventlog) as (client, _):
+        agent = agents("a")[0]
+        await nodes_up(client, 1)
+        first = await submit(client, "corrupt", ("sleep", "60"))
+        d = await until(lambda: _started(agent, first), 20, "the first task to start")
+        (d / "exit.json").write_text("{not json")
+        os.killpg(int((d / "pid").read_text()), signal.SIGKILL)  # launcher and task: neither writes its exit
+        done = await final(client, first)
+        assert done["state"] == "failed" and "exit record is unreadable (exit.json is not JSON)" in done["reason"], done
+        second = await submit(client, "next", ("true",))
+        assert (await final(client, second))["state"] == "succeeded", "the reaper lives on"
+
+
+async def _started(agent: AgentProc, job_id: str) -> Path | None:
+    found = list(agent.work.glob(f"jobs/{job_id}/*/0/pid"))
+    return found[0].parent if found and found[0].read_text() else None
+
+
+# --- which account: the user map, the system, the default, never root unless allowed ------------------------
+
+NOBODY = pwd.getpwnam("nobody")
+MAP = UserMap(users={"alice": {"uid": 1001, "gid": 1001, "groups": [2000]}, "zero": {"uid": 1002, "gid": 0}})
+
+
+@pytest.mark.parametrize("owner, user_map, allow_root, expected", [
+    ("alice", MAP, False, RunAs("alice", 1001, 1001, (2000,))),
+    ("nobody", None, False, RunAs("nobody", NOBODY.pw_uid, NOBODY.pw_gid,
+                                  tuple(os.getgrouplist("nobody", NOBODY.pw_gid)))),
+    ("gpuorch-no-such-user", None, False, "nobody"),
+    ("", MAP, False, "nobody"),
+    ("root", None, True, RunAs("root", 0, 0, tuple(os.getgrouplist("root", 0)))),
+    ("root", UserMap(allow_root=True), False, "root"),
+    ("gpuorch-no-such-user", UserMap(default=None), False, "no local account for owner 'gpuorch-no-such-user' on "
+                                                           "node n1: add it to the user map"),
+    ("gpuorch-no-such-user", UserMap(default="gpuorch-nor-this"), False, "nor the default account 'gpuorch-nor-this'"),
+    ("", UserMap(default=None), False, "no local account for a job submitted before users existed (no owner)"),
+    ("root", MAP, False, "owner 'root' would run as root on node n1"),
+    ("zero", MAP, False, "owner 'zero' would run as root on node n1 (account 'zero', uid 1002, gid 0)"),
+], ids=["mapped", "system account", "unknown: default", "no owner: default", "root allowed by flag",
+        "root allowed by map", "no default", "default missing", "no owner, no default", "root", "gid 0"])
+def test_an_owner_resolves_to_an_account_or_a_reason(owner, user_map, allow_root, expected):
+    if isinstance(expected, RunAs):
+        assert resolve(owner, "n1", user_map, allow_root) == expected
+    elif expected in ("nobody", "root"):
+        assert resolve(owner, "n1", user_map, allow_root).name == expected
+    else:
+        with pytest.raises(RunAsRefused, match=re.escape(expected)):
+            resolve(owner, "n1", user_map, allow_root)
+
+
+@pytest.mark.parametrize("text, why", [
+    ("users: {alice: {uid: 1001}}", "users.alice.gid: Field required"),
+    ("users: {alice: {uid: -1, gid: 1}}", "users.alice.uid: Input should be greater than or equal to 0"),
+    ("defualt: nobody", "defualt: Extra inputs are not permitted"),
+    ("users: [", "cannot read the user map"),
+], ids=["no gid", "negative uid", "a typo", "not YAML"])
+def test_a_user_map_that_does_not_fit_says_where(tmp_path: Path, text: str, why: str):
+    f = tmp_path / "users.yaml"
+    f.write_text(text)
+    with pytest.raises(UserMapError, match=why):
+        load_user_map(f)

@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = frozenset({"nats", "fastapi", "starlette", "uvicorn", "httpx", "sqlmodel", "sqlalchemy"})
-ADAPTERS = {"api", "service", "__main__", "__init__"}  # a service's edge: everything else of the scheduler is its core
+ADAPTERS = {"api", "jobinput", "service", "__main__", "__init__"}  # a service's edge (jobinput: the API's body reader);
+# everything else of the scheduler is its core
 
 
 def modules(folder: str, names: set[str] | None = None) -> list[str]:

@@ -34,7 +34,11 @@ from tests.scheduler import oracle
 from tests.scheduler.reference_scores import RefNode, RefPod, TieOrder, Typical, best, commit
 
 EXAMPLES = int(os.environ.get("GPUORCH_PROPERTY_EXAMPLES", "80"))  # raise it for a longer hunt
-PROPERTY = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomized: the branch shares below are those of a known set of examples, so a share test cannot flake;
+# GPUORCH_PROPERTY_RANDOM=1 draws fresh examples (with GPUORCH_PROPERTY_EXAMPLES, a longer hunt)
+RANDOM = os.environ.get("GPUORCH_PROPERTY_RANDOM") == "1"
+PROPERTY = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                    derandomize=not RANDOM, database=None)
 PER_KIND = EXAMPLES  # examples of each kind of scenario a property runs
 POLICIES = ["fgd", "bestfit", "binpack", "spread", "random"]
 QUEUES = ("a", "b", "c")
@@ -488,8 +492,9 @@ def placements_fit(s: Scenario) -> None:
 
 
 def test_every_placement_fits_what_was_free_and_meets_its_job(shares: Shares) -> None:
-    check(shares, placements_fit)
-    shares.require({"most GPUs busy": 0.4, "a node cordoned, draining or lost": 0.1, "multi-node gang placed": 0.03, "GPU share placed": 0.05})
+    check(shares, placements_fit, "mixed", "reclaim", "gangs", "backfill")
+    shares.require({"mixed": {"most GPUs busy": 0.4, "a node cordoned, draining or lost": 0.3},
+                    "reclaim": {"GPU share placed": 0.15}, "gangs": {"multi-node gang placed": 0.05}})
 
 
 def accounted(s: Scenario) -> None:
@@ -502,8 +507,9 @@ def accounted(s: Scenario) -> None:
 
 
 def test_every_pending_job_is_placed_or_told_why_it_waits(shares: Shares) -> None:
-    check(shares, accounted)
-    shares.require({"waits: no room now": 0.3, "waits: can never fit": 0.03, "waits for evictions": 0.1})
+    check(shares, accounted, "mixed", "reclaim", "preempt")
+    shares.require({"mixed": {"waits: can never fit": 0.3}, "reclaim": {"waits: no room now": 0.15, "waits for evictions": 0.15},
+                    "preempt": {"waits for evictions": 0.25}})
 
 
 def waits_are_real(s: Scenario) -> None:
@@ -527,8 +533,10 @@ def waits_are_real(s: Scenario) -> None:
 
 
 def test_a_job_left_waiting_has_no_placement_and_never_means_never(shares: Shares) -> None:
-    check(shares, waits_are_real)
-    shares.require({"waits: no room now": 0.3, "waits: can never fit": 0.03, "held back for the reservation": 0.02, "waits for a queue limit": 0.03, "reservation held": 0.15})
+    check(shares, waits_are_real, "mixed", "preempt", "backfill")
+    shares.require({"mixed": {"waits: can never fit": 0.3, "waits for a queue limit": 0.05},
+                    "preempt": {"waits for a queue limit": 0.2},
+                    "backfill": {"held back for the reservation": 0.1, "reservation held": 0.4, "waits: no room now": 0.35}})
 
 
 def evictions_place_nothing(s: Scenario) -> None:
@@ -540,8 +548,8 @@ def evictions_place_nothing(s: Scenario) -> None:
 
 
 def test_preemption_and_reclaim_only_evict_they_never_change_what_is_placed(shares: Shares) -> None:
-    check(shares, evictions_place_nothing)
-    shares.require({"priority preemption": 0.1, "reclaim victim": 0.1})
+    check(shares, evictions_place_nothing, "reclaim", "preempt")
+    shares.require({"reclaim": {"reclaim victim": 0.15}, "preempt": {"priority preemption": 0.25}})
 
 
 def one_node_first(s: Scenario) -> None:
@@ -564,8 +572,8 @@ def one_node_first(s: Scenario) -> None:
 
 
 def test_a_gang_spreads_over_nodes_only_when_no_node_holds_it(shares: Shares) -> None:
-    check(shares, one_node_first)
-    shares.require({"multi-node gang placed": 0.03})
+    check(shares, one_node_first, "gangs", examples=2 * PER_KIND)
+    shares.require({"gangs": {"multi-node gang placed": 0.05}})
 
 
 def deterministic(s: Scenario) -> None:
@@ -574,8 +582,9 @@ def deterministic(s: Scenario) -> None:
 
 
 def test_the_same_snapshot_and_seed_give_the_same_plan(shares: Shares) -> None:
-    check(shares, deterministic)
-    shares.require({"priority preemption": 0.1, "reclaim victim": 0.1, "reservation held": 0.15})
+    check(shares, deterministic, "reclaim", "preempt", "backfill")
+    shares.require({"reclaim": {"reclaim victim": 0.15}, "preempt": {"priority preemption": 0.25},
+                    "backfill": {"reservation held": 0.4}})
 
 
 # --- eviction ------------------------------------------------------------------------------------
@@ -619,8 +628,8 @@ def preemption_rules(s: Scenario) -> None:
 
 
 def test_priority_preemption_evicts_only_lower_priority_gangs_and_only_to_make_room(shares: Shares) -> None:
-    check(shares, preemption_rules)
-    shares.require({"priority preemption": 0.1, "most GPUs busy": 0.4})
+    check(shares, preemption_rules, "preempt", "mixed")
+    shares.require({"preempt": {"priority preemption": 0.25, "most GPUs busy": 0.9}})
 
 
 def reclaim_rules(s: Scenario) -> None:
@@ -661,8 +670,8 @@ def reclaim_rules(s: Scenario) -> None:
 
 
 def test_reclaim_takes_only_other_queues_gangs_above_their_entitlement_for_jobs_that_then_fit(shares: Shares) -> None:
-    check(shares, reclaim_rules)
-    shares.require({"reclaim victim": 0.1, "queues over and under entitlement": 0.3})
+    check(shares, reclaim_rules, "reclaim", "backfill")
+    shares.require({"reclaim": {"reclaim victim": 0.15, "queues over and under entitlement": 0.5}})
 
 
 # --- backfill -------------------------------------------------------------------------------------
@@ -685,8 +694,8 @@ def backfill_keeps_the_reservation(s: Scenario) -> None:
 
 
 def test_backfill_never_delays_the_reserved_job(shares: Shares) -> None:
-    check(shares, backfill_keeps_the_reservation)
-    shares.require({"reservation held": 0.15, "backfill placed": 0.05})
+    check(shares, backfill_keeps_the_reservation, "backfill", "gangs")
+    shares.require({"backfill": {"reservation held": 0.4, "backfill placed": 0.2}})
 
 
 # --- node choice of single pods (the FGD paper's scores) ------------------------------------------

@@ -361,16 +361,18 @@ def test_no_room_is_made_for_a_job_whose_queue_filled_to_its_limit_after_it_was_
 
 
 def test_a_second_preemptor_of_a_queue_at_its_limit_gets_no_victims() -> None:
-    c = cluster(node("n1").gpus(8), node("n2").gpus(8)).queue("research", limit=4)
+    c = cluster(node("n1").gpus(8), node("n2").gpus(8)).queue("research", limit=8)
     for n in ("n1", "n2"):
         c.running(job(f"x-{n}").gpus(8).priority("low").queue("other").build(), on=[(n, list(range(8)))],
                   job_id=f"x-{n}", started_at=0)
-    c.pending(job("u1").gpus(4).priority("high").queue("research").build(), "u1", at=1)
-    c.pending(job("u2").gpus(4).priority("high").queue("research").build(), "u2", at=2)
+    c.pending(job("u1").gpus(8).priority("high").queue("research").build(), "u1", at=1)
+    c.pending(job("u2").gpus(8).priority("high").queue("research").build(), "u2", at=2)
 
     plan = run_cycle(c.snapshot(NOW), Policy(backfill=False, cross_queue_preemption=True), NOW)
 
-    assert [p.for_job for p in plan.preemptions] == ["u1"], "u1's 4 GPUs take research to its limit"
+    # u1's room (a whole node) counts against research's limit at once: u2 would need a second node's eviction
+    assert [p.for_job for p in plan.preemptions] == ["u1"], "u1's 8 GPUs take research to its limit"
+    assert "preemption" not in plan.unschedulable["u2"], plan.unschedulable["u2"]
 
 
 def test_no_reclaim_is_made_for_a_job_whose_queue_filled_to_its_limit_after_it_was_tried() -> None:

@@ -146,6 +146,23 @@ def env_bytes(*envs: dict[str, str]) -> int:
     return sum(len(k.encode()) + len(v.encode()) + 2 for env in envs for k, v in env.items())
 
 
+class ArrayElement(Frozen):
+    """One element of a job array (Slurm's --array): every element is a job of its own, id ``<array id>-<index>``."""
+
+    id: JobId = Field(description="the array's id: cancel it to cancel every element")
+    index: Annotated[int, Field(ge=0, le=1_000_000), JsonNumber]
+    max_running: Annotated[int, Field(ge=1, le=100_000), JsonNumber] | None = Field(
+        default=None, description="at most this many of the array's elements placed or running at once (--array=...%N)")
+
+
+class Dependency(Frozen):
+    """Slurm's --dependency: the job waits until ``job`` (a job, or every element of an array) has ended so."""
+
+    kind: Literal["afterok", "afterany", "afternotok"] = Field(
+        description="afterok: succeeded; afternotok: failed or cancelled; afterany: ended either way")
+    job: JobId
+
+
 class JobSpec(Frozen):
     name: str = Field(min_length=1, max_length=63, pattern=_NAME.pattern,
                       description="letters, digits, '.', '_' or '-', starting with a letter or digit")
@@ -168,6 +185,11 @@ class JobSpec(Frozen):
         default_factory=dict, max_length=1024,
         description="stored, given to the tasks, never shown by the API or in events (env names matching the "
                     "server's secret pattern are moved here on submit)")
+    array: ArrayElement | None = Field(default=None, description="set by the API for each element of an array")
+    dependencies: tuple[Dependency, ...] = Field(default=(), max_length=64,
+                                                 description="all must be met before the job may be placed")
+    singleton: bool = Field(default=False, description="Slurm's --dependency=singleton: waits while another job "
+                                                       "of the same name and owner is placed or running")
 
     @model_validator(mode="after")
     def _mig_is_whole_slice(self) -> "JobSpec":

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from services.cli import verify_log
+from services.inventory.outbox import SEND_TIMEOUT_S
 from services.scheduler.projection import SchedulerProjection
 from shared import events as ev
 from shared.cluster import agent_source
@@ -429,8 +430,17 @@ async def test_a_task_that_ends_during_a_long_bus_outage_is_recorded_once_when_t
 
             await until(lambda: _is(state, "running"), 30, "the job to run")
             nats_server.stop()
-            await asyncio.sleep(35)  # longer than any single append waits: the task ends meanwhile
-            assert task_exited(work, job_id)
+
+            async def exit_waiting() -> bool:  # the task ended, and its report found no bus
+                return task_exited(work, job_id) and "event=reports_waiting" in (work.parent / "a.log").read_text()
+
+            await until(exit_waiting, 30, "the task to end and its report to wait for the bus")
+            failed_at = time.monotonic()
+
+            async def outlasted() -> bool:  # the outage outlasts any single append's wait: the report is retried
+                return time.monotonic() - failed_at > SEND_TIMEOUT_S + 1
+
+            await until(outlasted, 30, "the outage to outlast one append")
             nats_server.start()
             await until(lambda: _is(state, "succeeded"), 60, "the exit to be recorded")
             events = kinds((await client.get(f"/v1/jobs/{job_id}/events")).json())

@@ -8,13 +8,13 @@ from services.simulation.fairshare import fairshare_1000, run, weighted
 
 
 def test_three_saturating_queues_with_weights_3_2_1_split_gpu_hours_3_2_1_within_5_percent():
-    r = run(weighted((3, 2, 1)), hours=24, seed=7)
+    r = run(weighted((3, 2, 1)), hours=8, seed=7)  # 8 h holds it within 4 %; the 24 h run is the benchmark's
     share = r["share"]
     for q, want in (("q0", 3 / 6), ("q1", 2 / 6), ("q2", 1 / 6)):
         assert share[q] == pytest.approx(want, rel=0.05), (q, share)
     assert r["jain_index_weighted"] > 0.99
     assert r["invalid_transitions"] == 0
-    print(f"3:2:1 over 24 h: shares {share}, Jain's index {r['jain_index_weighted']}")
+    print(f"3:2:1 over 8 h: shares {share}, Jain's index {r['jain_index_weighted']}")
 
 
 def test_the_same_scenario_and_seed_give_the_same_result():

@@ -8,7 +8,7 @@ from shared import events as ev
 from shared.eventlog import EventLog
 from shared.events import Envelope
 from tests.builders import job, node
-from tests.support import eventually, in_process_stack
+from tests.support import eventually, in_process_stack, until
 
 
 async def register(log: EventLog, *nodes) -> None:
@@ -86,16 +86,22 @@ async def test_a_four_gpu_task_lands_inside_one_nvlink_domain(eventlog: EventLog
 
 async def test_a_rack_job_lands_in_one_rack_or_waits(eventlog: EventLog):
     async with in_process_stack(eventlog) as (client, _):
-        await register(eventlog, node("a1").gpus(8).rack("a").build(), node("b1").gpus(8).rack("b").build(),
-                       node("b2").gpus(8).rack("b").build())
-        blocker = await wait_state(client, await submit(client, job("blocker").gpus(8).build()), "placed")
+        await register(eventlog, node("a1").gpus(8).rack("a").build(), node("a2").gpus(8).rack("a").labels(pin="a2")
+                       .build(), node("b1").gpus(8).rack("b").labels(pin="b1").build(), node("b2").gpus(8).rack("b").build())
+        # blockers on a2 and b1 leave a1 and b2 free: 16 GPUs, but no two free nodes in one rack
+        blockers = [await wait_state(client, await submit(client, job(f"blocker-{n}").gpus(8).selector(pin=n).build()),
+                                     "placed") for n in ("a2", "b1")]
         rack_job = await submit(client, job("pair").gpus(8).tasks(2).topology("rack").build())
-        if blocker["placement"][0]["node"].startswith("b"):
-            j = await wait_state(client, rack_job, "queued")
-            assert j["placement"] == []
-        else:
-            j = await wait_state(client, rack_job, "placed")
-            assert sorted(p["node"] for p in j["placement"]) == ["b1", "b2"]
+
+        async def told() -> dict | None:  # a cycle has looked at it: it waits, and says why
+            j = await job_state(client, rack_job)
+            return j if j["state"] == "queued" and j.get("reason") else None
+
+        j = await until(told, 10, "a reason for the rack job")
+        assert j["placement"] == [] and "rack" in j["reason"], j
+        await client.delete(f"/v1/jobs/{blockers[1]['id']}")  # b1 frees up: rack b holds the pair
+        j = await wait_state(client, rack_job, "placed")
+        assert sorted(p["node"] for p in j["placement"]) == ["b1", "b2"]
 
 
 BAD = [

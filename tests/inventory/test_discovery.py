@@ -72,8 +72,26 @@ def test_nvml_discovery_reports_exactly_the_profile_with_mig(layout):
     assert discover(FakeNvml(expected)) == expected
 
 
-def test_simulated_discovery_is_the_profile():
-    assert profiles.build("t4-4x", "n-1", labels={"pool": "train"}, rack="r1", zone="z1") == node("t4-4x")
+# Written out by hand from NVIDIA's published figures (what nvidia-smi shows on such a box), not from the profiles:
+# the name NVML gives, the memory it reports in MiB, the compute capability.
+BY_HAND = {
+    "dgx-h100": (8, "NVIDIA H100 80GB HBM3", "H100-80GB", 81559, "9.0", ["1B", "43", "52", "61", "9D", "C3", "D1", "DF"]),
+    "t4-4x": (4, "Tesla T4", "T4", 15360, "7.5", ["18", "3B", "86", "AF"]),
+}
+
+
+@pytest.mark.parametrize("profile", sorted(BY_HAND))
+def test_nvml_discovery_names_memory_and_bus_ids_as_nvidia_smi_shows_them(profile):
+    count, nvml_name, model, memory_mib, cc, buses = BY_HAND[profile]
+    fake = FakeNvml(node(profile))
+    fake.nvmlInit()
+    assert fake.nvmlDeviceGetName(fake.nvmlDeviceGetHandleByIndex(0)) == nvml_name
+    fake.nvmlShutdown()
+    info = discover(fake)
+    assert [g.index for g in info.gpus] == list(range(count))
+    assert {(g.model, g.memory_mib, g.compute_capability) for g in info.gpus} == {(model, memory_mib, cc)}
+    assert [g.pci_bus_id for g in info.gpus] == [f"00000000:{b}:00.0" for b in buses]
+    assert len({g.uuid for g in info.gpus}) == count and all(g.uuid.startswith("GPU-") for g in info.gpus)
 
 
 # --- NVLink topology -----------------------------------------------------------------

@@ -285,9 +285,15 @@ def submit(
     model: Annotated[list[str] | None, typer.Option(help="allowed GPU model (repeatable)")] = None,
     mig: Annotated[str | None, typer.Option(help="MIG profile, e.g. 1g.10gb")] = None,
     topology: Annotated[str | None, typer.Option(help="nvlink|node|rack|zone|any")] = None,
-    time_limit: Annotated[int | None, typer.Option(help="seconds")] = None,
+    time_limit: Annotated[str | None, typer.Option(help="as Slurm's --time: minutes, MM:SS, HH:MM:SS, "
+                                                         "D-HH[:MM[:SS]], UNLIMITED; or 90s, 30m, 2h, 1h30m")] = None,
     max_retries: Annotated[int | None, typer.Option(help="times to requeue it after its node is lost (0)")] = None,
     env: Annotated[list[str] | None, typer.Option("-e", "--env", help="K=V (repeatable)")] = None,
+    array: Annotated[str | None, typer.Option("-a", "--array", help="a job array, as Slurm writes it: 0-9, 1,3,5-7, "
+                                                                    "0-15:4, 1-100%10 (at most 10 at once)")] = None,
+    dependency: Annotated[str | None, typer.Option("-d", "--dependency", help="wait for other jobs, as Slurm writes "
+                                                   "it with gpuorch ids: afterok:ID[:ID...], afternotok:ID, "
+                                                   "afterany:ID, singleton; several with ','")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="show the job it would submit, every warning, and where "
                                                              "it would be placed now; submit nothing")] = False,
     jobfile_map: Annotated[Path | None, typer.Option("--map", envvar="GPUORCH_JOBFILE_MAP", show_envvar=True,
@@ -298,7 +304,16 @@ def submit(
 ) -> None:
     """Submit a job from flags, a YAML/JSON file, an sbatch script or Kubernetes manifests (flags override the file)."""
     from services.jobfiles import JobFileError, Translated, load_file
+    from services.jobfiles.sbatch import array_request, dependency_request
 
+    slurm: dict[str, Any] = {}
+    try:
+        if array:
+            slurm["array"] = array_request(array, f"--array={array}")
+        if dependency:
+            slurm.update(dependency_request(dependency, f"--dependency={dependency}"))
+    except JobFileError as e:
+        fail(str(e).removeprefix("#SBATCH "))
     translated = [Translated({}, (), "flags")]
     if file:
         try:
@@ -315,11 +330,13 @@ def submit(
     bad = [e for e in env or [] if "=" not in e]
     if bad:
         fail(f"--env takes K=V, got {bad[0]!r}")
+    limit_s = time_limit_s(time_limit) if time_limit is not None else None
     answers = []
     for t in translated:
         body = _with_flags(dict(t.job), command, name=name, queue=queue, priority=priority, tasks=tasks, gpus=gpus,
-                           cpu=cpu, memory=memory, model=model, mig=mig, topology=topology, time_limit_s=time_limit,
+                           cpu=cpu, memory=memory, model=model, mig=mig, topology=topology, time_limit_s=limit_s,
                            max_retries=max_retries, env=env)
+        body.update(slurm)
         label = f"{t.origin}: " if len(translated) > 1 else ""
         for w in t.warnings:
             err.print(f"[yellow]warning:[/yellow] {label}{w}")
@@ -331,12 +348,36 @@ def submit(
         if not as_json:
             for w in job["warnings"][len(t.warnings):]:
                 err.print(f"[yellow]warning:[/yellow] {label}{w}")
-            _print_dry_run(job) if dry_run else console.print(
-                f"submitted [bold]{job['id']}[/bold] ({job['name']}) to queue {job['queue']}: {job['state']}")
+            if dry_run:
+                _print_dry_run(job)
+            elif "jobs" in job:
+                limit = f", at most {job['max_running']} at once" if job.get("max_running") else ""
+                console.print(f"submitted array [bold]{job['id']}[/bold] ({job['name']}): {job['count']} jobs "
+                              f"{job['id']}-INDEX{limit}, to queue {job['queue']}")
+            else:
+                console.print(f"submitted [bold]{job['id']}[/bold] ({job['name']}) to queue {job['queue']}: "
+                              f"{job['state']}")
     if as_json:
         print_json(answers[0] if len(answers) == 1 else answers)
     if dry_run and any(a.get("refused") for a in answers):
         raise typer.Exit(1)
+
+
+def time_limit_s(text: str) -> int | None:
+    """--time-limit in seconds, read as Slurm reads --time (a bare number is minutes; 0 or UNLIMITED: none),
+    or as a duration with units (90s, 30m, 2h, 1h30m)."""
+    from services.jobfiles import JobFileError
+    from services.jobfiles.sbatch_options import slurm_time
+    from shared.timespec import duration_s
+
+    if (seconds := duration_s(text)) is not None:
+        return max(1, round(seconds)) if seconds else None
+    try:
+        return slurm_time(text, f"--time={text}")
+    except JobFileError:
+        fail(f"--time-limit {text!r}: write minutes (90), MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, UNLIMITED, "
+             "or a duration with units (90s, 30m, 2h, 1h30m)")
+    return None
 
 
 def _with_flags(body: dict[str, Any], command: list[str] | None, **flags: Any) -> dict[str, Any]:
@@ -411,44 +452,208 @@ def _print_dry_run(res: dict[str, Any]) -> None:
         console.print(f"  ({res['ahead']} job(s) of its queue wait ahead of it and may go first)")
 
 
+SLURM_STATES = {
+    "PD": ("submitted", "queued"), "PENDING": ("submitted", "queued"),
+    "CF": ("placed",), "CONFIGURING": ("placed",),
+    "R": ("placed", "running"), "RUNNING": ("placed", "running"),
+    "CG": ("preempting",), "COMPLETING": ("preempting",),
+    "PR": ("preempted",), "PREEMPTED": ("preempted",),
+    "CD": ("succeeded",), "COMPLETED": ("succeeded",),
+    "F": ("failed",), "FAILED": ("failed",),
+    "CA": ("cancelled",), "CANCELLED": ("cancelled",),
+}  # squeue's state codes and names; gpuorch's own names are taken as they are
+JOB_STATES = ("submitted", "queued", "placed", "running", "preempting", "preempted", "succeeded", "failed",
+              "cancelled", "rejected")
+FINISHED = ("succeeded", "failed", "cancelled", "rejected")
+StateOpt = Annotated[str | None, typer.Option(
+    "-s", "--state", "-t", help="comma-separated (-t as squeue and scancel): Slurm codes PD, CF, R, CG, PR, CD, F, CA (or their long names), "
+                          "or gpuorch's states (queued, running, preempting, succeeded, ...)")]
+
+
+def job_states(text: str) -> list[str]:
+    """gpuorch states for a --state list, Slurm codes expanded; an unknown one fails naming the accepted."""
+    out: list[str] = []
+    for word in (w.strip() for w in text.split(",") if w.strip()):
+        states = SLURM_STATES.get(word.upper()) or ((word.lower(),) if word.lower() in JOB_STATES else None)
+        if states is None:
+            fail(f"--state {word!r}: use {', '.join(k for k in SLURM_STATES if len(k) <= 2)} or {', '.join(JOB_STATES)}")
+        out += [st for st in states if st not in out]
+    return out
+
+
+def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int) -> list[dict[str, Any]]:
+    """The jobs the caller may see, newest first: one call per state (the API filters on one)."""
+    params = {"queue": queue} if queue else {}
+    if states is None:
+        return api("GET", url, "/v1/jobs", params={**params, "limit": limit})
+    rows = [j for st in states for j in api("GET", url, "/v1/jobs", params={**params, "state": st, "limit": limit})]
+    return sorted(rows, key=lambda j: j["submitted_at"] or 0, reverse=True)[:limit]
+
+
+def exit_code(job: dict[str, Any]) -> int | None:
+    """A finished job's exit code, as Slurm's ExitCode: the failing code, else the highest its tasks exited with."""
+    if job["state"] not in FINISHED:
+        return None
+    if job.get("exit_code") is not None:
+        return job["exit_code"]
+    codes = [c for c in (job.get("task_exits") or {}).values() if c is not None]
+    return max(codes) if codes else (0 if job["state"] == "succeeded" else None)
+
+
 @app.command()
 def jobs(
     queue: Annotated[str | None, typer.Option("-q", "--queue")] = None,
-    state: Annotated[str | None, typer.Option("-s", "--state")] = None,
+    state: StateOpt = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="include finished jobs")] = False,
     limit: Annotated[int, typer.Option(min=1)] = 200,
     url: UrlOpt = DEFAULT_URL,
     as_json: JsonOpt = False,
 ) -> None:
-    """List jobs, like squeue."""
+    """List jobs, like squeue (-s PD,R as squeue's --states). EXIT: a finished job's exit code."""
     import time
 
     from rich.table import Table
 
-    params = {k: v for k, v in (("queue", queue), ("state", state), ("limit", limit if (state or all_) else 100_000)) if v}
-    rows = api("GET", url, "/v1/jobs", params=params)
-    if not (all_ or state):
-        rows = [j for j in rows if j["state"] not in ("succeeded", "failed", "cancelled", "rejected")][:limit]
+    states = job_states(state) if state else None
+    rows = list_jobs(url, queue, states, limit if (states or all_) else 100_000)
+    if not (all_ or states):
+        rows = [j for j in rows if j["state"] not in FINISHED][:limit]
     if as_json:
         print_json(rows)
         return
     now = time.time()
     table = Table(box=None, header_style="bold")
-    for col in ("ID", "NAME", "QUEUE", "STATE", "TASKSxGPUS", "NODES", "AGE", "REASON"):
+    for col in ("ID", "NAME", "QUEUE", "STATE", "TASKSxGPUS", "NODES", "AGE", "EXIT", "REASON"):
         table.add_column(col, overflow="fold" if col == "REASON" else "ellipsis", no_wrap=col != "REASON")
     for j in rows:
         nodes = ",".join(sorted({p["node"] for p in j["placement"]})) or "-"
         g = j["gpus_per_task"]
+        code = exit_code(j)
         table.add_row(j["id"], j["name"], j["queue"], j["state"], f"{j['tasks']}x{int(g) if g == int(g) else g}", nodes,
-                      age(j["submitted_at"], now), j["reason"] or "")
+                      age(j["submitted_at"], now), "-" if code is None else str(code), j["reason"] or "")
     console.print(table)
 
 
+CANCELLABLE = ("submitted", "queued", "placed", "running", "preempting", "preempted")
+
+
 @app.command()
-def cancel(job_id: Annotated[str, typer.Argument()], url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
-    """Cancel a job: its tasks are stopped and its GPUs freed."""
-    job = api("DELETE", url, f"/v1/jobs/{job_id}")
-    print_json(job) if as_json else console.print(f"cancelled {job_id}")
+def cancel(
+    job_ids: Annotated[list[str] | None, typer.Argument(help="job ids (or give filters instead)")] = None,
+    name: Annotated[str | None, typer.Option("--name", "-n", help="every job of this name")] = None,
+    queue: Annotated[str | None, typer.Option("--queue", "-q", help="every job of this queue")] = None,
+    state: StateOpt = None,
+    url: UrlOpt = DEFAULT_URL,
+    as_json: JsonOpt = False,
+) -> None:
+    """Cancel jobs, like scancel: by id, or every unfinished job you may cancel that matches all the filters
+    given (--name, --queue, --state). Their tasks are stopped and their GPUs freed."""
+    filters = name is not None or queue is not None or state is not None
+    if job_ids and filters:
+        fail("give job ids or filters (--name, --queue, --state), not both")
+    if job_ids:
+        done = [api("DELETE", url, f"/v1/jobs/{j}") for j in job_ids]
+        if as_json:
+            print_json(done[0] if len(done) == 1 else done)
+        else:
+            console.print("\n".join(f"cancelled {j}" for j in job_ids))
+        return
+    if not filters:
+        fail("give a job id, or filters (--name, --queue, --state) to cancel every job that matches")
+    states = [st for st in (job_states(state) if state else CANCELLABLE) if st in CANCELLABLE]
+    if not states:
+        fail(f"--state {state}: only unfinished jobs can be cancelled (PD, CF, R, CG, PR)")
+    matching = [j for j in list_jobs(url, queue, states, 100_000) if name is None or j["name"] == name]
+    done = [res for j in matching if (res := _quietly("DELETE", url, f"/v1/jobs/{j['id']}")) is not None]
+    if as_json:
+        print_json(done)
+        return
+    skipped = len(matching) - len(done)
+    console.print(f"cancelled {len(done)} job(s)" + (f"; {skipped} could not be (not yours, or ended meanwhile)"
+                                                      if skipped else ""))
+
+
+def _at(ts: float | None, now: float) -> str:
+    """A time as UTC ISO 8601 with how long ago (or ahead) it is; '-' for none."""
+    from datetime import UTC, datetime
+
+    if not ts:
+        return "-"
+    when = datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"{when} (in {age(now, ts)})" if ts > now + 1 else f"{when} ({age(ts, now)} ago)"
+
+
+def _seconds(s: int | None) -> str:
+    """A time limit as Slurm prints one: [D-]HH:MM:SS."""
+    if not s:
+        return "none"
+    hms = f"{s % 86400 // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+    return f"{s // 86400}-{hms}" if s >= 86400 else hms
+
+
+def job_lines(job: dict[str, Any], now: float) -> list[tuple[str, str]]:
+    """What `gpuorch show` prints of a job, field by field (an archived job has no spec: only its summary)."""
+    import shlex
+
+    spec = job.get("spec") or {}
+    res = spec.get("resources", {})
+    g = job.get("gpus_per_task", res.get("gpus"))
+    code = exit_code(job) if "state" in job else None
+    lines = [
+        ("id", job["id"]), ("name", job["name"]), ("owner", job.get("owner") or "-"), ("queue", job["queue"]),
+        ("priority", job["priority"]), ("state", job["state"]), ("reason", job.get("reason") or "-"),
+    ]
+    if "estimated_start" in job and job["state"] in ("submitted", "queued"):
+        lines.append(("estimated start", _at(job["estimated_start"], now) if job["estimated_start"] else "unknown"))
+    lines += [(k, _at(job.get(f), now)) for k, f in (("submitted", "submitted_at"), ("placed", "placed_at"),
+                                                     ("started", "started_at"), ("ended", "ended_at"))]
+    if spec:
+        per_node = f", {spec['tasks_per_node']} per node" if spec.get("tasks_per_node") else ""
+        lines += [("time limit", _seconds(spec.get("time_limit_s"))),
+                  ("tasks", f"{job['tasks']} x {int(g) if g == int(g) else g} GPU(s){per_node}, topology "
+                            f"{spec.get('topology', 'any')}"),
+                  ("per task", f"{res.get('cpu_milli', 0) / 1000:g} CPU, {res.get('memory_mib', 0)} MiB")]
+        if spec.get("gpu", {}).get("models") or spec.get("gpu", {}).get("mig"):
+            lines.append(("gpu", ", ".join(f"{k}={v}" for k, v in spec["gpu"].items() if v)))
+    for p in job.get("placement") or []:
+        lines.append((f"task {p['task']}", f"node {p['node']}, {len(p['gpus'])} GPU(s) {','.join(p['gpus'])}"))
+    if job.get("nodes"):
+        lines.append(("nodes", job["nodes"]))
+    lines.append(("exit code", "-" if code is None else str(code)))
+    if job.get("task_exits"):
+        lines.append(("task exits", ", ".join(f"{t}:{c}" for t, c in job["task_exits"].items())))
+    lines += [("retries", f"{job.get('retries', 0)} of {spec.get('max_retries', 0)}"),
+              ("preemptions", str(job.get("preemptions", 0)))]
+    if arr := spec.get("array"):
+        cap = f", at most {arr['max_running']} running" if arr.get("max_running") else ""
+        lines.append(("array", f"{arr['id']} index {arr['index']}{cap}"))
+    if spec.get("dependencies"):
+        lines.append(("dependencies", ",".join(f"{d['kind']}:{d['job']}" for d in spec["dependencies"])))
+    if spec.get("singleton"):
+        lines.append(("singleton", "yes"))
+    if spec.get("command"):
+        lines.append(("command", shlex.join(spec["command"])))
+    if spec.get("env"):
+        lines.append(("env", " ".join(f"{k}={v}" for k, v in spec["env"].items())))
+    return lines
+
+
+@app.command()
+def show(job_id: Annotated[str, typer.Argument()], url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """Everything about a job, like scontrol show job: state and why it waits, when it should start, times,
+    limits, placement, exit codes, retries, array and dependencies, command."""
+    import time
+
+    from rich.markup import escape
+
+    job = api("GET", url, f"/v1/jobs/{job_id}", params={"estimate": "true"})
+    if as_json:
+        print_json(job)
+        return
+    lines = job_lines(job, time.time())
+    width = max(len(k) for k, _ in lines)
+    for k, v in lines:
+        console.print(f"[bold]{k + ':':<{width + 1}}[/bold] {escape(v)}", highlight=False)
 
 
 @app.command()

@@ -23,6 +23,12 @@ class TimeSpecError(ValueError):
     """A time a person typed that is none of the accepted forms; the message says which forms are."""
 
 
+def duration_s(text: str) -> float | None:
+    """Seconds in a duration as people write it (90s, 30m, 2h, 7d, 2w, 1h30m); None if ``text`` is not one."""
+    s = text.strip().lower()
+    return sum(float(n) * UNITS[u] for n, u in _PART.findall(s)) if _DURATION.fullmatch(s) else None
+
+
 def parse_time(text: str, now: float, typed: bool = True) -> float:
     """Epoch seconds for ``text``: '2h' is two hours before ``now``, '1795514400' and '2026-11-24T10:00:00Z' are
     themselves. ``typed``: a person typed it, so a small bare number is refused as a duration missing its unit
@@ -30,8 +36,8 @@ def parse_time(text: str, now: float, typed: bool = True) -> float:
     s = text.strip().lower()
     if s == "now":
         return now
-    if _DURATION.fullmatch(s):
-        return now - sum(float(n) * UNITS[u] for n, u in _PART.findall(s))
+    if (ago := duration_s(s)) is not None:
+        return now - ago
     try:
         x = float(s)
     except ValueError:

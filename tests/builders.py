@@ -15,7 +15,10 @@ from services.scheduler.snapshot import Snapshot, snapshot_from_cluster
 from shared import events as ev
 from shared.cluster import ClusterProjection, JobRecord, NodeState, agent_source
 from shared.events import Envelope, GpuShare, TaskPlacement
-from shared.model import MILLI, GpuAmount, GpuConstraints, GpuInfo, JobSpec, MigSlice, NodeInfo, QueueSpec, TaskResources
+from shared.model import (
+    MILLI, ArrayElement, Dependency, GpuAmount, GpuConstraints, GpuInfo, JobSpec, MigSlice, NodeInfo, QueueSpec,
+    TaskResources,
+)
 
 
 def gpu_uuid(node_id: str, index: int) -> str:
@@ -173,6 +176,20 @@ class JobBuilder:
         self.fields["command"] = argv
         return self
 
+    def after(self, kind: str, job_id: str) -> "JobBuilder":
+        """A dependency (Slurm's --dependency=KIND:JOB): on a job, or on every element of an array."""
+        self.fields["dependencies"] = (*self.fields.get("dependencies", ()), Dependency(kind=kind, job=job_id))
+        return self
+
+    def element(self, array_id: str, index: int, max_running: int | None = None) -> "JobBuilder":
+        """An element of a job array, as the API makes it."""
+        self.fields["array"] = ArrayElement(id=array_id, index=index, max_running=max_running)
+        return self
+
+    def singleton(self) -> "JobBuilder":
+        self.fields["singleton"] = True
+        return self
+
     def build(self) -> JobSpec:
         """The spec; it runs `true` unless told otherwise (the API takes no job without a command)."""
         fields = {"command": ("true",), **self.fields}
@@ -199,13 +216,21 @@ class ClusterBuilder:
         self._n += 1
         return job_id or f"{spec.name}-{self._n}"
 
-    def pending(self, spec: JobSpec, job_id: str | None = None, at: float | None = None) -> "ClusterBuilder":
+    def pending(self, spec: JobSpec, job_id: str | None = None, at: float | None = None,
+                owner: str = "") -> "ClusterBuilder":
         jid = self._id(spec, job_id)
-        self.proj.jobs[jid] = JobRecord(jid, spec, state="queued", submitted_at=self._n if at is None else at)
+        self.proj.jobs[jid] = JobRecord(jid, spec, state="queued", submitted_at=self._n if at is None else at,
+                                        owner=owner)
+        return self
+
+    def ended(self, spec: JobSpec, job_id: str, state: str = "succeeded") -> "ClusterBuilder":
+        """A job that ended (succeeded, failed, cancelled, rejected), holding nothing."""
+        self.proj.jobs[job_id] = JobRecord(job_id, spec, state=state)
         return self
 
     def running(
-        self, spec: JobSpec, on: list[Task], job_id: str | None = None, started_at: float = 0.0, state: str = "running"
+        self, spec: JobSpec, on: list[Task], job_id: str | None = None, started_at: float = 0.0, state: str = "running",
+        owner: str = "",
     ) -> "ClusterBuilder":
         """A job holding the given GPUs (``spec.resources.gpus`` milli on each), one task per entry."""
         jid = self._id(spec, job_id)
@@ -231,7 +256,7 @@ class ClusterBuilder:
             )
         self.proj.jobs[jid] = JobRecord(
             jid, spec, state=state, submitted_at=started_at, placed_at=started_at, started_at=started_at,
-            placements=placements,
+            placements=placements, owner=owner,
         )
         return self
 

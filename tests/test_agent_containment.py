@@ -28,7 +28,10 @@ from tests.support import AgentProc, as_user, in_process_stack, nodes_up, until
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="switching a task's user needs a root agent")
 DOCUMENTED = {"CUDA_VISIBLE_DEVICES", "GPUORCH_JOB_ID", "GPUORCH_ATTEMPT", "GPUORCH_GPU_SHARES", "MASTER_ADDR",
-              "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"}
+              "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+              "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NAME", "SLURM_JOB_PARTITION", "SLURM_PROCID", "SLURM_NTASKS",
+              "SLURM_NPROCS", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_LOCALID",
+              "SLURM_NTASKS_PER_NODE"}
 BASE = {"PATH", "HOME", "TMPDIR", "USER", "LOGNAME", "LANG"}
 PRINT_ENV_AND_WAIT = ("python3", "-c", "import os, json, sys, time; print(json.dumps(dict(os.environ))); "
                       "sys.stdout.flush(); time.sleep(60)")

@@ -262,7 +262,7 @@ class Agent:
         addresses = {n: s.info.address or s.info.hostname for n, s in self.proj.nodes.items()}
         base = base_env(home, user.name, os.path.dirname(sys.executable))
         env = task_env(placed.job_id, attempt, placed.placements, task, addresses,
-                       {**job.spec.env, **job.spec.secret_env}, base)
+                       {**job.spec.env, **job.spec.secret_env}, base, spec=job.spec)
         launcher = [sys.executable, "-I", LAUNCHER, "--cwd", str(home), "--env-file", str(write_env(d, env))]
         if self.switch_user:
             launcher += ["--uid", str(user.uid), "--gid", str(user.gid), "--groups", ",".join(map(str, user.groups))]

@@ -16,7 +16,7 @@ from typing import Any
 
 from services.jobfiles import gpus
 from services.jobfiles.common import (
-    Context, JobFileError, Notes, NotSupportedYet, Translated, job_name, priority_of, queue_path, whole_gpus,
+    Context, JobFileError, Notes, Translated, job_name, priority_of, queue_path, whole_gpus,
 )
 from services.jobfiles.sbatch_options import (
     Directive, count, parse, parse_array, parse_dependency, slurm_mem_mib, slurm_time,
@@ -153,6 +153,44 @@ def _command(text: str, shebang: str | None, filename: str, notes: Notes) -> lis
                        "ruby: start the script with #!/bin/bash")
 
 
+DEPENDS = ("afterok", "afternotok", "afterany")
+JOB_REF = re.compile(r"^[a-z0-9][a-z0-9-]{0,80}$")  # shared.model.JOB_ID
+
+
+def array_request(value: str, written: str) -> dict[str, Any]:
+    """--array=0-9%2 as the request's ``array`` (also gpuorch submit --array)."""
+    a = parse_array(value, written)
+    return {"indices": list(a.indices), "max_running": a.max_running}
+
+
+def dependency_request(value: str, written: str) -> dict[str, Any]:
+    """--dependency as the request's ``dependencies`` and ``singleton`` (also gpuorch submit --dependency). The ids
+    are gpuorch job or array ids (an array element, Slurm's 123_4, is 123-4 here); the API refuses one that names
+    no job here."""
+    deps, any_of = parse_dependency(value, written)
+    if any_of and len(deps) > 1:
+        raise JobFileError(f"#SBATCH {written}: gpuorch waits for all dependencies, not any one ('?'): "
+                           "write them with ',' or submit one job per alternative")
+    out: dict[str, Any] = {"dependencies": []}
+    for dep in deps:
+        if dep.kind == "singleton":
+            out["singleton"] = True
+            continue
+        kind = dep.kind
+        if kind not in DEPENDS:
+            raise JobFileError(f"#SBATCH {written}: {kind} is not supported; gpuorch waits for afterok, afternotok, "
+                               "afterany or singleton")
+        if not dep.jobs:
+            raise JobFileError(f"#SBATCH {written}: {kind} names no job: write {kind}:JOBID")
+        for ref in dep.jobs:
+            job_id = ref.replace("_", "-")
+            if not JOB_REF.match(job_id):
+                raise JobFileError(f"#SBATCH {written}: {ref!r} is no gpuorch job id (e.g. j-0190...; an element "
+                                   "of an array: ARRAYID-INDEX)")
+            out["dependencies"].append({"kind": kind, "job": job_id})
+    return out
+
+
 def _last(ds: list[Directive]) -> dict[str, Directive]:
     """sbatch's getopt: a later directive overrides an earlier one of the same option."""
     out: dict[str, Directive] = {}
@@ -176,16 +214,6 @@ def from_sbatch(text: str, filename: str = "sbatch", ctx: Context = Context()) -
     opt = _last(list(known))
 
     # 1. what gpuorch will not run as written
-    if "array" in opt:
-        a = parse_array(opt["array"].value or "", opt["array"].written)
-        limit = f", {a.max_running} at a time" if a.max_running else ""
-        raise NotSupportedYet(f"#SBATCH {opt['array'].written}: job arrays are not supported yet ({len(a.indices)} "
-                              f"jobs{limit}): submit one job per index for now")
-    if "dependency" in opt:
-        deps, _ = parse_dependency(opt["dependency"].value or "", opt["dependency"].written)
-        after = ", ".join(f"{x.kind}:{':'.join(x.jobs)}" if x.jobs else x.kind for x in deps)
-        raise NotSupportedYet(f"#SBATCH {opt['dependency'].written}: job dependencies are not supported yet "
-                              f"({after}): submit this job when those have ended")
     for name, why in REFUSED.items():
         if name in opt:
             raise JobFileError(f"#SBATCH {opt[name].written}: {why}")
@@ -199,6 +227,10 @@ def from_sbatch(text: str, filename: str = "sbatch", ctx: Context = Context()) -
         notes.add(f"#SBATCH {', '.join(ignored_plain)}: no effect here, ignored")
 
     job: dict[str, Any] = {}
+    if "array" in opt:
+        job["array"] = array_request(opt["array"].value or "", opt["array"].written)
+    if "dependency" in opt:
+        job.update(dependency_request(opt["dependency"].value or "", opt["dependency"].written))
 
     # 2. name, queue, priority, time, retries
     raw_name = opt["job-name"].value if "job-name" in opt else filename

@@ -221,17 +221,30 @@ class ArraySpec:
     max_running: int | None = None
 
 
+MAX_ARRAY = 10_000  # elements of one array, as POST /v1/jobs takes it
+
+
 def parse_array(value: str, written: str) -> ArraySpec:
+    """Slurm's index list: ranges, steps and a %N limit; at most MAX_ARRAY distinct indices (counted before they
+    are listed: 0-999999999 is refused, not built)."""
     spec, _, limit = value.partition("%")
     indices: list[int] = []
     try:
         for part in spec.split(","):
             rng, _, step = part.partition(":")
             lo, _, hi = rng.partition("-")
-            indices += range(int(lo), int(hi or lo) + 1, int(step or 1))
-        return ArraySpec(tuple(indices), int(limit) if limit else None)
+            r = range(int(lo), int(hi or lo) + 1, int(step or 1))
+            if len(indices) + len(r) > MAX_ARRAY:
+                raise JobFileError(f"#SBATCH {written}: more than {MAX_ARRAY} jobs in one array: split it")
+            indices += r
+        running = int(limit) if limit else None
+    except JobFileError:
+        raise
     except ValueError:
         raise JobFileError(f"#SBATCH {written}: write indices like 0-15, 1,3,5-7, 0-15:4 or 1-100%10") from None
+    if not indices or (running is not None and running < 1):
+        raise JobFileError(f"#SBATCH {written}: at least one index, and at least 1 running at a time (%N)")
+    return ArraySpec(tuple(sorted(set(indices))), running)
 
 
 @dataclass(frozen=True)

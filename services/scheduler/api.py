@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import Field, StrictBool, field_validator
 
 from services.jobfiles import Context, load_site_map
 from services.scheduler.admission import admission_error
+from services.scheduler.decide import decide
 from services.scheduler.dryrun import place_now
 from services.scheduler.jobinput import manifest_route
 from shared import events as ev
@@ -21,9 +22,10 @@ from shared.agentctl import AgentError, LogRequest, ask
 from shared.api_errors import errors, path_id
 from shared.api_events import record_json
 from shared.auth import Principal, RateLimiter, caller, job_access, submit_error
+from services.scheduler.gates import dependency_verdict
 from shared.cluster import ACTIVE, PENDING, JobRecord
 from shared.events import SUBJECT_PREFIX, Envelope, new_id, subject_token
-from shared.model import JOB_ID, QUEUE_PATH, EnvMap, JobSpec, NoNul
+from shared.model import JOB_ID, QUEUE_PATH, ArrayElement, Dependency, EnvMap, Frozen, JobSpec, JsonNumber, NoNul
 from shared.redact import redact
 from shared.runtime import Service
 
@@ -48,6 +50,8 @@ def job_view(job: JobRecord) -> dict[str, Any]:
         ],
         "reason": job.reason,
         "exit_code": job.exit_code,
+        "task_exits": {str(t): code for t, code in sorted(job.tasks_exited.items())},
+        "retries": job.retries,
         "submitted_at": job.submitted_at,
         "placed_at": job.placed_at,
         "started_at": job.started_at,
@@ -60,8 +64,29 @@ Caller = Annotated[Principal, Depends(caller)]
 JobIdPath = path_id("job_id", JOB_ID, "job")
 DRY_RUN = ("dry_run=true: nothing is recorded; 200 with the spec it would submit, its warnings, ``refused`` "
            "(status and why) or where it would be placed now (``placement``, else ``reason``)")
+Estimate = Annotated[bool, Query(description="add ``estimated_start`` (epoch seconds, or null): when a queued job "
+                                             "should start; costs one scheduling cycle")]
 JobState = Literal["submitted", "queued", "placed", "running", "preempting", "preempted", "succeeded", "failed",
                    "cancelled", "rejected"]
+
+
+MAX_ARRAY = 10_000  # elements of one array: each is a job of its own, two events each, appended in one batch
+
+
+class ArrayRequest(Frozen):
+    """A job array (Slurm's --array=0-9%2): one job per index, ids ``<array id>-<index>``."""
+
+    indices: tuple[Annotated[int, Field(ge=0, le=1_000_000), JsonNumber], ...] = Field(
+        min_length=1, max_length=MAX_ARRAY, description=f"distinct indices, at most {MAX_ARRAY}")
+    max_running: Annotated[int, Field(ge=1, le=100_000), JsonNumber] | None = Field(
+        default=None, description="at most this many elements placed or running at once (Slurm's %N)")
+
+    @field_validator("indices")
+    @classmethod
+    def _distinct(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if len(set(v)) != len(v):
+            raise ValueError("array indices must be distinct")
+        return v
 
 
 class JobRequest(JobSpec):
@@ -74,6 +99,10 @@ class JobRequest(JobSpec):
         default_factory=dict,
         description="stored, given to the tasks, never shown by the API or in events (env names matching the "
                     "server's secret pattern are moved here on submit)")
+    array: ArrayRequest | None = Field(  # type: ignore[assignment]  # the request's shape; each element gets its own
+        default=None, description="submit a job array: one job per index (the response lists their ids)")
+    singleton: StrictBool = Field(default=False, description="Slurm's --dependency=singleton: waits while another "
+                                                             "job of the same name and owner is placed or running")
 
 
 def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
@@ -98,6 +127,42 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         if need == "cancel" and access != "cancel":
             raise HTTPException(403, f"{p.user} may see job {job_id} but not cancel it")
         return job
+
+    def elements(array_id: str, p: Principal) -> list[JobRecord]:
+        """The elements of an array this caller may see, by index."""
+        out = [j for j in proj.jobs.values() if j.spec.array is not None and j.spec.array.id == array_id
+               and job_access(p, j, proj.queues) != "none"]
+        return sorted(out, key=lambda j: j.spec.array.index if j.spec.array else 0)
+
+    def resolved(deps: tuple[Dependency, ...], p: Principal) -> tuple[tuple[Dependency, ...], list[str], str | None]:
+        """The dependencies to keep, warnings, and why they are refused (None: they are not).
+
+        Each must name a job or an array this caller may see, and still be possible to meet. One on a job that
+        ended long ago (no longer held in memory, so the scheduler could not see it) is dropped when met."""
+        keep, warnings = [], []
+        for d in deps:
+            label = f"{d.kind}:{d.job}"
+            job = proj.jobs.get(d.job)
+            seen = [job] if job is not None and job_access(p, job, proj.queues) != "none" else elements(d.job, p)
+            if seen:
+                verdict, why = dependency_verdict(d, tuple((j.job_id, j.state) for j in seen))
+                if verdict == "never":
+                    return (), [], why
+                keep.append(d)
+                continue
+            row = scheduler.history.get(d.job) if job is None else None
+            if row is not None and (p.role != "user" or row.owner == p.user):
+                verdict, why = dependency_verdict(d, ((d.job, row.state),))
+                if verdict == "never":
+                    return (), [], why
+                if verdict == "met":
+                    warnings.append(f"dependency {label}: {d.job} {row.state} already: met")
+                    continue
+                keep.append(d)
+                continue
+            hint = " (a Slurm job id? name the gpuorch job id, e.g. j-...)" if d.job.isdigit() else ""
+            return (), [], f"dependency {label}: no job or array {d.job}{hint}"
+        return tuple(keep), warnings, None
 
     def archived(job_id: str, p: Principal) -> dict[str, Any]:
         """A job no longer in memory (finished long ago), from the SQL read model."""
@@ -141,14 +206,20 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         manifest holding one job (batch/v1 Job, PyTorchJob, Volcano Job, Pods of a KAI PodGroup) in JSON or
         YAML; ``warnings`` says what its translation could not carry over."""
         warnings = list(getattr(request.state, "jobfile_warnings", []))
-        spec = JobSpec.model_validate(req.model_dump())
-        if p.role != "admin" and (wait := limiter.take(p.user, time.monotonic())):
+        spec = JobSpec.model_validate(req.model_dump(exclude={"array"}))
+        # an array costs a token per element, up to a full burst: it may be large, but never refused for its size
+        cost = 1 if req.array is None else min(len(req.array.indices), scheduler.settings.submit_burst)
+        if p.role != "admin" and (wait := limiter.take(p.user, time.monotonic(), cost)):
             raise HTTPException(429, f"{p.user} submits faster than {scheduler.settings.submit_rate_per_s:g} jobs/s",
                                 headers={"Retry-After": str(max(1, math.ceil(wait)))})
         if admission_error(proj, spec):  # maybe stale: catch up with the log's head once, then judge
             assert svc.log is not None
             await svc.caught_up(await svc.log.last_seq(), timeout=2)
         why = admission_error(proj, spec)
+        if not why and spec.dependencies:
+            deps, dep_warnings, why = resolved(spec.dependencies, p)
+            spec = spec.model_copy(update={"dependencies": deps})
+            warnings += dep_warnings
         if dry_run:
             return preview(spec, p, why, warnings)  # type: ignore[return-value]
         if why:
@@ -157,6 +228,8 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             raise HTTPException(403, why)
         spec, asked = with_secrets_apart(spec), spec
         warnings += secrets_warning(asked, spec)
+        if req.array is not None:
+            return await submit_array(spec, req.array, p, warnings)
         job_id = new_id("j-")
         source = "/gpuorch/scheduler"
         assert svc.log is not None
@@ -171,31 +244,81 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         job = proj.jobs.get(job_id) or JobRecord(job_id, spec, state="queued", owner=p.user)
         return {**job_view(job), "warnings": warnings}
 
+    async def submit_array(spec: JobSpec, array: ArrayRequest, p: Principal, warnings: list[str]) -> dict[str, Any]:
+        """One job per index, ``<array id>-<index>``, submitted and queued in one batch."""
+        array_id, source = new_id("j-"), "/gpuorch/scheduler"
+        ids, envs = [], []
+        for i in array.indices:
+            job_id = f"{array_id}-{i}"
+            element = ArrayElement(id=array_id, index=i, max_running=array.max_running)
+            envs += [Envelope(ev.JobSubmitted(job_id=job_id, spec=spec.model_copy(update={"array": element}),
+                                              owner=p.user), id=f"{job_id}-submitted", source=source, actor=p.user),
+                     Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source, actor=p.user)]
+            ids.append(job_id)
+        assert svc.log is not None
+        seqs = await svc.log.append_many(envs)
+        scheduler.wake.set()
+        await svc.caught_up(seqs[-1], advice=f"array {array_id} is recorded: read it with GET /v1/jobs/{array_id} "
+                                             "rather than submitting it again")
+        return {"id": array_id, "array": array_id, "name": spec.name, "queue": spec.queue, "state": "queued",
+                "count": len(ids), "max_running": array.max_running, "jobs": ids, "warnings": warnings}
+
     @r.get("/v1/jobs")
     def list_jobs(
         p: Caller,
         queue: Annotated[str | None, Query(pattern=QUEUE_PATH)] = None,
         state: JobState | None = None,
         limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+        array: Annotated[str | None, Query(pattern=JOB_ID, description="only the elements of this job array")] = None,
     ) -> list[dict[str, Any]]:
         """The jobs this caller may see, newest first."""
         out = []
         for job in reversed(proj.jobs.values()):
             if (queue is None or job.spec.queue == queue) and (state is None or job.state == state) \
+                    and (array is None or (job.spec.array is not None and job.spec.array.id == array)) \
                     and job_access(p, job, proj.queues) != "none":
                 out.append(job_view(job))
                 if len(out) >= limit:
                     break
         return out
 
+    def estimated_start(job: JobRecord) -> float | None:
+        """When a queued job should start: now if the cycle would place it, else its backfill reservation's start
+        if it is the job next in line (None otherwise, or when it waits on jobs without a time limit). The
+        reservation is never logged, so the cycle is decided again here, on this instance's fold."""
+        if job.state != "queued":
+            return None
+        now = time.time()
+        plan = decide(proj, scheduler.policy, now, scheduler.settings.half_life_s, scheduler.settings.reclaim_after_s)
+        if job.job_id in plan.placements:
+            return now
+        res = plan.reservation
+        return res.start if res is not None and res.job_id == job.job_id and math.isfinite(res.start) else None
+
+    def array_view(array_id: str, members: list[JobRecord]) -> dict[str, Any]:
+        states: dict[str, int] = {}
+        for j in members:
+            states[j.state] = states.get(j.state, 0) + 1
+        first = members[0].spec
+        return {"id": array_id, "array": array_id, "name": first.name, "queue": first.queue, "count": len(members),
+                "max_running": first.array.max_running if first.array else None, "states": states,
+                "jobs": [j.job_id for j in members]}
+
     @r.get("/v1/jobs/{job_id}")
-    def get_job(job_id: JobIdPath, p: Caller) -> dict[str, Any]:
+    async def get_job(job_id: JobIdPath, p: Caller, estimate: Estimate = False) -> dict[str, Any]:
+        """A job; or, for an array's id, the array: its elements' ids and how many are in each state."""
+        if job_id not in proj.jobs and (members := elements(job_id, p)):
+            return array_view(job_id, members)
         if job_id not in proj.jobs:
             return archived(job_id, p)
-        return job_view(known(job_id, p))
+        job = known(job_id, p)
+        return {**job_view(job), **({"estimated_start": estimated_start(job)} if estimate else {})}
 
     @r.delete("/v1/jobs/{job_id}", responses=errors(409))
     async def cancel(job_id: JobIdPath, p: Caller) -> dict[str, Any]:
+        """Cancel a job; or, for an array's id, every element not ended yet."""
+        if job_id not in proj.jobs and (members := elements(job_id, p)):
+            return await cancel_array(job_id, members, p)
         job = known(job_id, p, "cancel")
         if job.state not in ACTIVE | PENDING | {"preempted"}:
             raise HTTPException(409, f"job {job_id} is already {job.state}")
@@ -206,6 +329,20 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         scheduler.wake.set()
         await svc.caught_up(seq)
         return {**job_view(proj.jobs.get(job_id, job)), "seq": seq}
+
+    async def cancel_array(array_id: str, members: list[JobRecord], p: Principal) -> dict[str, Any]:
+        if any(job_access(p, j, proj.queues) != "cancel" for j in members):
+            raise HTTPException(403, f"{p.user} may see array {array_id} but not cancel it")
+        left = [j for j in members if j.state in ACTIVE | PENDING | {"preempted"}]
+        if not left:
+            raise HTTPException(409, f"every job of array {array_id} has ended already")
+        assert svc.log is not None
+        seqs = await svc.log.append_many([
+            Envelope(ev.JobCancelled(job_id=j.job_id, reason=f"array {array_id} cancelled by {p.user}"),
+                     id=f"{j.job_id}-cancel-{j.seq}", source="/gpuorch/scheduler", actor=p.user) for j in left])
+        scheduler.wake.set()
+        await svc.caught_up(seqs[-1])
+        return {"id": array_id, "array": array_id, "cancelled": [j.job_id for j in left], "seq": seqs[-1]}
 
     @r.get("/v1/jobs/{job_id}/logs", responses=errors(502, 503))
     async def job_logs(

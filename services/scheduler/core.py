@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 
 from services.scheduler.fragmentation import TypicalShape, typical_shapes
+from services.scheduler.gates import Gates
 from services.scheduler.gang import GangFit, capacity, place_gang
 from services.scheduler.placement import NodeScorer
 from services.scheduler.plan import Placement, Plan, Policy, Preemption, ReclaimRequest, Reservation
@@ -59,6 +60,8 @@ class Cycle:
         self.ws = WorkState(snapshot.nodes, self.scorer, policy.seed)
         self._sids = {job_id: self.ws.shape_id(s) for job_id, s in shapes.items()}
         self.ws.note_running(snapshot.running)
+        self.gates = Gates(snapshot)
+        self.cancellations = {j.job_id: why for j in snapshot.pending if (why := self.gates.never(j)) is not None}
         self._empty: WorkState | None = None
         self.placements: dict[str, Placement] = {}
         self.preemptions: list[Preemption] = []
@@ -91,6 +94,8 @@ class Cycle:
         """Queues furthest below their entitlement first (by name without entitlements); then priority, then age."""
         by_queue: dict[str, list[PendingJob]] = {}
         for j in job_order(self.snap.pending):
+            if j.job_id in self.cancellations:
+                continue
             by_queue.setdefault(j.queue, []).append(j)
         ent = self.snap.entitlements
         if ent is None:
@@ -124,6 +129,11 @@ class Cycle:
         while queue:
             self.held[queue] = self.held.get(queue, 0.0) + amount
             queue = parent_of(queue)
+
+    def gated(self, job: PendingJob) -> str | None:
+        """Why the job waits whatever the free capacity: a gate (dependency, array throttle, singleton), then its
+        queue's limit. Such a job takes no reservation and gets no evictions made for it."""
+        return self.gates.blocked(job) or self.over_limit(job)
 
     def over_limit(self, job: PendingJob) -> str | None:
         """Why the job would take its queue or an ancestor above its limit (None: it would not).
@@ -188,6 +198,7 @@ class Cycle:
             held = tuple((g, bit, MILLI if bit else shape.milli) for g, bit in pick)
             fp.append((idx, held, shape.cpu, shape.mem, None))
         self.placements[job.job_id] = Placement(job.job_id, tuple(tasks), fit.spread, self.policy.name)
+        self.gates.placed(job)
         self.allocated[job.queue] = self.allocated.get(job.queue, 0.0) + self.share(job.spec)
         self.hold(job.queue, self.share(job.spec))
         limit = job.spec.time_limit_s
@@ -207,7 +218,7 @@ class Cycle:
         """Place jobs in order until one is blocked that can ever fit: it takes a reservation, and backfill goes on."""
         self.planned = True
         for job in jobs:
-            if (why := self.over_limit(job)) is not None:  # it waits for its queue, not for capacity: no reservation
+            if (why := self.gated(job)) is not None:  # it waits for a gate or its queue: no reservation
                 self.unschedulable[job.job_id] = why
                 continue
             fit = self.try_place(job, NOW)
@@ -234,7 +245,7 @@ class Cycle:
         if res is None:
             return
         for job in jobs:
-            if (why := self.over_limit(job)) is not None:
+            if (why := self.gated(job)) is not None:
                 self.unschedulable[job.job_id] = why
                 continue
             limit = job.spec.time_limit_s
@@ -332,7 +343,7 @@ class Cycle:
             keys = [(q, rank) for q in scope for rank in range(below) if (q, rank) in groups]
             scope_key = "*" if self.policy.cross_queue_preemption else job.queue
             memo = (self.sid(job), job.spec.topology, job.spec.tasks, below, scope_key)
-            if not keys or memo in failed or not self.ever_fits(job) or self.over_limit(job) is not None:
+            if not keys or memo in failed or not self.ever_fits(job) or self.gated(job) is not None:
                 continue  # (placements since it was tried may have filled its queue to the limit)
             if tries >= self.policy.max_preemptors:
                 break
@@ -411,7 +422,7 @@ class Cycle:
                 memo = (self.sid(job), job.spec.topology, job.spec.tasks, mode)
                 if need <= 1e-9 or tries >= self.policy.max_preemptors:
                     break
-                if size > need + 1e-9 or memo in failed or not self.ever_fits(job) or self.over_limit(job) is not None:
+                if size > need + 1e-9 or memo in failed or not self.ever_fits(job) or self.gated(job) is not None:
                     continue  # more than the queue is owed would lift it above its share: churn back
                 tries += 1
                 victims = self._reclaim_victims(job, mode, pool, staying, search)
@@ -480,7 +491,8 @@ class Cycle:
         return freed
 
     def plan(self) -> Plan:
-        return Plan(self.policy.name, self.placements, tuple(self.preemptions), self.unschedulable, self.reservation)
+        return Plan(self.policy.name, self.placements, tuple(self.preemptions), self.unschedulable, self.reservation,
+                    self.cancellations)
 
 
 def _when(start: float, now: float) -> str:
@@ -503,7 +515,9 @@ def run_cycle(
     4. reclaim: evict other queues' gangs for queues owed GPUs (fed by quota).
 
     No action takes a queue, or any of its ancestors, above its limit: a job that would
-    waits with that reason, holds no reservation, and gets no evictions made for it.
+    waits with that reason, holds no reservation, and gets no evictions made for it. So does a job
+    held by a gate (gates.py): a dependency not met yet, its array at its limit, singleton; a job
+    whose dependency can never be met is in the plan's cancellations instead.
     """
     cycle = Cycle(snapshot, policy or Policy(), now)
     jobs = cycle.order()

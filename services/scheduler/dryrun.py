@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from services.scheduler.core import Cycle, Policy
-from services.scheduler.snapshot import PendingJob, snapshot_from_cluster
+from services.scheduler.snapshot import PendingJob, dependency_targets, snapshot_from_cluster
 from shared.cluster import ClusterProjection
 from shared.model import PRIORITY_RANK, JobSpec
 
@@ -21,7 +21,8 @@ def place_now(proj: ClusterProjection, spec: JobSpec, policy: Policy, now: float
     rank = PRIORITY_RANK[spec.priority]
     ahead = sum(1 for j in snap.pending if j.queue == spec.queue and j.priority_rank >= rank)
     job = PendingJob(PROBE, spec, now, 0)
-    cycle = Cycle(replace(snap, pending=(job,)), replace(policy, backfill=False, preempt=False), now)
+    snap = replace(snap, pending=(job,), targets=dependency_targets(proj, [job]))  # its dependencies, as they are now
+    cycle = Cycle(snap, replace(policy, backfill=False, preempt=False), now)
     cycle.allocate(iter([job]))
     placed = cycle.placements.get(PROBE)
     out: dict[str, Any] = {

@@ -82,3 +82,4 @@ class Plan:
     preemptions: tuple[Preemption, ...] = ()
     unschedulable: Mapping[str, str] = field(default_factory=dict)
     reservation: Reservation | None = None
+    cancellations: Mapping[str, str] = field(default_factory=dict)  # job -> the dependency that can never be met

@@ -114,12 +114,31 @@ class Scheduler:
             job = self.proj.jobs.get(job_id)
             if job is not None and job.state == "queued" and job.reason != reason:
                 last = max(last, *await self.svc.emit(ev.JobUnschedulable(job_id=job_id, reason=reason), epoch=epoch))
+        for job_id, reason in plan.cancellations.items():
+            last = max(last, await self.cancel_unmet(job_id, reason, epoch))
         last = max(last, await self.finish_preemptions(now, epoch))
         if last:
             try:
                 await self.svc.caught_up(last, timeout=10)
             except NotCaughtUp as e:  # the next cycle decides on whatever the fold has reached by then
                 log.warning("event=cycle_not_caught_up reason=%r", str(e))
+
+    async def cancel_unmet(self, job_id: str, reason: str, epoch: int | None) -> int:
+        """Cancel a waiting job whose dependency can never be met, once: the event id is the job's own (a second
+        scheduler, or this one after a restart, appends a duplicate the log drops), and the append expects the
+        job's last sequence (a job that moved meanwhile is decided again on the next cycle)."""
+        job = self.proj.jobs.get(job_id)
+        if job is None or job.state != "queued":
+            return 0
+        env = Envelope(ev.JobCancelled(job_id=job_id, reason=reason), id=f"{job_id}-dependency-never-met",
+                       source="/gpuorch/scheduler", epoch=epoch)
+        assert self.svc.log is not None
+        try:
+            seq = await self.svc.log.append(env, expected_last_subject_seq=job.seq)
+        except ConcurrencyConflict:
+            return 0
+        log.info("event=cancelled job=%s reason=%r", job_id, reason)
+        return seq
 
     async def finish_preemptions(self, now: float, epoch: int | None) -> int:
         """A preempting job whose grace is over (plus a margin for its agent's report) is requeued."""

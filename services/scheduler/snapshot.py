@@ -63,6 +63,7 @@ class PendingJob:
     spec: JobSpec
     submitted_at: float = 0.0
     preemptions: int = 0
+    owner: str = ""
 
     @property
     def queue(self) -> str:
@@ -82,6 +83,7 @@ class RunningJob:
     started_at: float | None = None
     preempting: bool = False
     preemptions: tuple[float, ...] = ()  # when it was evicted before
+    owner: str = ""
 
     @property
     def queue(self) -> str:
@@ -118,6 +120,8 @@ class Snapshot:
     taken_at: float = 0.0
     ratios: Ratios = Ratios()  # CPU and memory per GPU: a job's dominant share in GPU-equivalents (shared.fairshare)
     limits: Mapping[str, float] = field(default_factory=dict)  # queue path (any level) -> limit, in GPU-equivalents
+    # what pending jobs depend on: a job id or an array id -> (job id, state) of that job or of the array's elements
+    targets: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
 
 
 def _status(ns: NodeState) -> str:
@@ -179,7 +183,7 @@ def snapshot_from_cluster(
     pending, running = [], []
     for job in proj.jobs.values():
         if job.state == "queued":
-            pending.append(PendingJob(job.job_id, job.spec, job.submitted_at, len(job.preemptions)))
+            pending.append(PendingJob(job.job_id, job.spec, job.submitted_at, len(job.preemptions), job.owner))
         elif job.state in HOLDING:
             running.append(
                 RunningJob(
@@ -190,9 +194,27 @@ def snapshot_from_cluster(
                     started_at=job.started_at,
                     preempting=job.state == "preempting",
                     preemptions=tuple(job.preemptions),
+                    owner=job.owner,
                 )
             )
     pending.sort(key=lambda j: (j.submitted_at, j.job_id))
     running.sort(key=lambda j: j.job_id)
     return Snapshot(nodes, tuple(pending), tuple(running), None if entitlements is None else dict(entitlements), now,
-                    proj.share_ratios(), {q: s.limit.gpus for q, s in proj.queues.items() if s.limit is not None})
+                    proj.share_ratios(), {q: s.limit.gpus for q, s in proj.queues.items() if s.limit is not None},
+                    dependency_targets(proj, pending))
+
+
+def dependency_targets(proj: ClusterProjection, pending: list[PendingJob]) -> dict[str, tuple[tuple[str, str], ...]]:
+    """The (job id, state) of what pending jobs depend on: the job of that id, else the elements of the array of
+    that id (none: not known here). One pass over the jobs, and only when some pending job has dependencies."""
+    wanted = {d.job for j in pending for d in j.spec.dependencies}
+    if not wanted:
+        return {}
+    out: dict[str, list[tuple[str, str]]] = {}
+    for job in proj.jobs.values():
+        if job.job_id in wanted:
+            out[job.job_id] = [(job.job_id, job.state)]
+        a = job.spec.array
+        if a is not None and a.id in wanted and a.id not in proj.jobs:
+            out.setdefault(a.id, []).append((job.job_id, job.state))
+    return {k: tuple(v) for k, v in out.items()}

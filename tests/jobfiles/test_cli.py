@@ -49,7 +49,10 @@ async def test_submit_f_of_an_sbatch_two_node_by_eight_gpu_job_runs_its_tasks_on
         assert sorted(p["node"] for p in job["placement"]) == ["a", "b"]
         assert all(len(p["gpus"]) == 8 for p in job["placement"])
         logs = [(await client.get(f"/v1/jobs/{job['id']}/logs", params={"task": t})).json()["data"] for t in (0, 1)]
-        assert sorted(log.split(" on ")[0] for log in logs) == ["node rank 0 of 2", "node rank 1 of 2"], logs
+        assert [log.split(" (")[0] for log in logs] == ["task 0 of 2 on node 0 of 2", "task 1 of 2 on node 1 of 2"], \
+            "each task sees its own SLURM_PROCID and SLURM_NODEID, as srun would give it"
+        assert [log.split(") ")[0].split("(")[1] for log in logs] == [
+            "torchrun: rank 0, node rank 0", "torchrun: rank 1, node rank 1"], logs
 
 
 async def test_dry_run_and_queue_commands_from_the_command_line(eventlog, monkeypatch, tmp_path):
@@ -95,4 +98,18 @@ async def test_dry_run_and_queue_commands_from_the_command_line(eventlog, monkey
         assert await eventlog.last_seq() == before, "a dry run appended to the log"
 
         code, out = await gpuorch("submit", "-f", str(INPUTS / "array_sweep.sh"))
-        assert code == 1 and "job arrays are not supported yet" in out
+        said = " ".join(out.split())
+        assert code == 0 and "10 jobs" in said and "at most 2 at once" in said, out
+        sweep = said.split("submitted array ")[1].split()[0]
+        assert len((await client.get("/v1/jobs", params={"array": sweep})).json()) == 10
+        code, out = await gpuorch("submit", "--array", "1-3%1", "--dependency", f"afterok:{sweep},singleton",
+                                  "--name", "merge", "--json", "--", "true")
+        assert code == 0, out
+        merge = json.loads(out[out.index("{"):])
+        assert merge["count"] == 3 and merge["max_running"] == 1
+        spec = (await client.get(f"/v1/jobs/{merge['jobs'][0]}")).json()["spec"]
+        assert spec["dependencies"] == [{"kind": "afterok", "job": sweep}] and spec["singleton"], spec
+        code, out = await gpuorch("submit", "-f", str(INPUTS / "dependent_eval.sh"))
+        assert code == 1 and "gpuorch job id" in " ".join(out.split()), out
+        code, out = await gpuorch("submit", "--array", "0-99999", "--", "true")
+        assert code == 1 and "more than 10000 jobs" in " ".join(out.split()), out

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from services.jobfiles import Context, JobFileError, NotSupportedYet, SiteMap, Translated, from_sbatch
+from services.jobfiles import Context, JobFileError, SiteMap, Translated, from_sbatch
 from services.jobfiles.common import Partition
 from services.jobfiles.sbatch_options import ArraySpec, Dependency, parse_array, parse_dependency
 from services.scheduler.api import JobRequest
@@ -243,19 +243,33 @@ def test_naming_nodes_is_refused_saying_what_to_write_instead(directive: str):
     assert directive in message and "drop it" in message
 
 
-def test_job_arrays_are_parsed_then_refused_as_not_supported_yet():
+def test_an_array_becomes_the_request_s_array_with_its_indices_and_limit():
     assert parse_array("0-15:4%2", "--array") == ArraySpec((0, 4, 8, 12), 2)
     assert parse_array("1,3,5-7", "--array") == ArraySpec((1, 3, 5, 6, 7))
-    with pytest.raises(NotSupportedYet, match=r"--array=1-100%10: job arrays are not supported yet \(100 jobs, 10 at"):
-        read("--array=1-100%10")
+    req = job("--array=1-100%10")
+    assert req.array is not None and req.array.indices == tuple(range(1, 101)) and req.array.max_running == 10
 
 
-def test_dependencies_are_parsed_then_refused_as_not_supported_yet():
+@pytest.mark.parametrize("value", ["0-10000", "0-999999999", "1-5%0", "3-1"])
+def test_an_array_too_large_or_empty_or_with_no_room_to_run_is_refused_before_its_indices_are_listed(value: str):
+    assert f"--array={value}" in refusal(f"--array={value}")
+
+
+def test_dependencies_become_the_request_s_dependencies_and_singleton():
     assert parse_dependency("afterok:12:13,afterany:14", "-d") == (
         (Dependency("afterok", ("12", "13")), Dependency("afterany", ("14",))), False)
     assert parse_dependency("afterok:1?afternotok:2", "-d")[1] is True
-    with pytest.raises(NotSupportedYet, match="job dependencies are not supported yet"):
-        read("-d afterok:4242")
+    req = job("-d afterok:j-1:j-2_3,afternotok:j-4,singleton")
+    assert [(d.kind, d.job) for d in req.dependencies] == [("afterok", "j-1"), ("afterok", "j-2-3"),
+                                                          ("afternotok", "j-4")]
+    assert req.singleton
+
+
+@pytest.mark.parametrize("value, says", [("afterok:1?afternotok:2", "not any one"), ("after:j-1", "after is not"),
+                                         ("aftercorr:j-1", "aftercorr is not"), ("afterok", "names no job"),
+                                         ("afterok:J.1", "no gpuorch job id")])
+def test_dependencies_gpuorch_cannot_wait_for_are_refused_saying_what_it_can(value: str, says: str):
+    assert says in refusal(f"--dependency={value}")
 
 
 def test_output_and_error_are_recorded_and_the_warning_says_where_the_output_is():

@@ -6,4 +6,5 @@
 #SBATCH --cpus-per-task=32
 #SBATCH --time=30
 
-echo "node rank ${NODE_RANK:-?} of ${WORLD_SIZE:-?} on $(hostname)"
+echo "task ${SLURM_PROCID:-?} of ${SLURM_NTASKS:-?} on node ${SLURM_NODEID:-?} of ${SLURM_NNODES:-?}" \
+     "(torchrun: rank ${RANK:-?}, node rank ${NODE_RANK:-?}) on $(hostname)"

@@ -1,0 +1,132 @@
+"""Slurm habits on the command line, against the in-process stack: show (scontrol show job), jobs -s (squeue
+--states) with EXIT, cancel by filter (scancel --name/--partition/--state), --time-limit as Slurm's --time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import typer
+
+from services import cli
+from tests.jobfiles.test_cli import gpuorch, through
+from tests.support import as_user, in_process_stack, nodes_up, until
+
+
+async def wait_job(client, job_id: str, *states: str) -> dict:
+    async def check():
+        job = (await client.get(f"/v1/jobs/{job_id}")).json()
+        return job if job["state"] in states else None
+    return await until(check, 30, f"job {job_id} to be {'/'.join(states)}")
+
+
+async def submit(*args: str) -> str:
+    code, out = await gpuorch("submit", "--json", *args)
+    assert code == 0, out
+    return json.loads(out[out.index("{"):])["id"]
+
+
+def ids_in(out: str) -> set[str]:
+    return {w for w in out.split() if w.startswith("j-")}
+
+
+async def test_jobs_s_takes_slurm_codes_and_show_tells_exit_codes_reasons_and_the_estimated_start(
+        eventlog, agents, monkeypatch):
+    agents("a")  # t4-4x: four GPUs
+    async with in_process_stack(eventlog) as (client, _):
+        monkeypatch.setattr(cli, "api", through(client, asyncio.get_running_loop()))
+        await nodes_up(client, 1)
+        ok = await submit("--name", "ok", "--", "true")
+        bad = await submit("--name", "bad", "--", "sh", "-c", "exit 3")
+        await wait_job(client, ok, "succeeded")
+        await wait_job(client, bad, "failed")
+        hog = await submit("--name", "hog", "-g", "4", "--time-limit", "10", "--", "sleep", "60")
+        hog_job = await wait_job(client, hog, "running")
+        nxt = await submit("--name", "next", "-g", "4", "--", "true")
+        await until(lambda: _has_reason(client, nxt), 20, "the next job to be given a reason")
+
+        code, out = await gpuorch("jobs", "-s", "F")
+        assert code == 0 and ids_in(out) == {bad}, out
+        assert out.splitlines()[1].split()[7] == "3", "EXIT is the failed task's code"
+        code, out = await gpuorch("jobs", "-s", "CD")
+        assert ids_in(out) == {ok} and out.splitlines()[1].split()[7] == "0", out
+        code, out = await gpuorch("jobs", "-t", "PD,R", "--json")  # squeue's -t
+        assert {j["id"] for j in json.loads(out)} == {nxt, hog}, "PD is queued, R running"
+        code, out = await gpuorch("jobs", "-s", "CD,failed", "--json")
+        assert {j["id"] for j in json.loads(out)} == {ok, bad}, "Slurm codes and gpuorch's names mix"
+        code, out = await gpuorch("jobs", "-s", "XX")
+        assert code == 1 and "PD" in out, out
+
+        code, out = await gpuorch("show", nxt, "--json")
+        shown = json.loads(out)
+        assert shown["estimated_start"] == pytest.approx(hog_job["started_at"] + 600, abs=2), \
+            "the held job starts when the job before it reaches its time limit"
+        code, out = await gpuorch("show", nxt)
+        assert code == 0 and "estimated start:" in out and "(in " in out and "next in line" in out, out
+        code, out = await gpuorch("show", bad)
+        lines = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        assert lines["exit code"].strip() == "3" and lines["task exits"].strip() == "0:3", out
+        assert lines["command"].strip() == "sh -c 'exit 3'" and lines["state"].strip() == "failed", out
+        assert lines["task 0"].strip().startswith("node a, 1 GPU(s)"), out
+        assert lines["time limit"].strip() == "none" and lines["retries"].strip() == "0 of 0", out
+        code, out = await gpuorch("show", hog)
+        assert "00:10:00" in out, "a bare --time-limit is minutes, as Slurm's --time"
+        await client.delete(f"/v1/jobs/{hog}")
+
+
+async def _has_reason(client, job_id: str) -> bool:
+    return bool((await client.get(f"/v1/jobs/{job_id}")).json()["reason"])
+
+
+async def test_cancel_takes_filters_cancels_only_what_matches_and_the_caller_may_cancel(eventlog, monkeypatch):
+    from shared import events as ev
+    from shared.events import Envelope
+    from tests.builders import node
+
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        await eventlog.append_many([Envelope(ev.NodeRegistered(node_id="n0", node=node("n0").gpus(8).build()))])
+        await nodes_up(client, 1)
+        alice, bob = await as_user(client, "alice", role="operator"), await as_user(client, "bob")  # she sees his
+        monkeypatch.setattr(cli, "api", through(alice, asyncio.get_running_loop()))
+        sweeps = [await submit("--name", "sweep", "-g", "8", "--", "true") for _ in range(3)]  # one placed, two wait
+        other = await submit("--name", "eval", "-g", "8", "--", "true")
+        body = {"name": "sweep", "command": ["true"], "resources": {"gpus": 8}}
+        bobs = (await bob.post("/v1/jobs", json=body)).json()["id"]
+        await until(lambda: _placed(client, sweeps[0]), 20, "the first sweep to be placed")
+
+        code, out = await gpuorch("cancel")
+        assert code == 1 and "give a job id, or filters" in out, out
+        code, out = await gpuorch("cancel", sweeps[0], "--name", "sweep")
+        assert code == 1 and "not both" in out, out
+        code, out = await gpuorch("cancel", "--state", "CD,F")
+        assert code == 1 and "only unfinished jobs" in out, out
+
+        code, out = await gpuorch("cancel", "--name", "sweep", "--state", "PD")
+        assert code == 0 and "cancelled 2 job(s); 1 could not be" in out, out
+        states = {j: (await client.get(f"/v1/jobs/{j}")).json()["state"] for j in [*sweeps, other, bobs]}
+        assert states == {sweeps[0]: "placed", sweeps[1]: "cancelled", sweeps[2]: "cancelled", other: "queued",
+                          bobs: "queued"}, "only alice's pending sweeps: not her placed one, her eval, nor bob's"
+
+        code, out = await gpuorch("cancel", "--queue", "default")
+        assert code == 0 and "cancelled 2 job(s); 1 could not be" in out, out
+        assert (await client.get(f"/v1/jobs/{bobs}")).json()["state"] in ("queued", "placed"), "bob's is his to cancel"
+        code, out = await gpuorch("cancel", "--name", "sweep")
+        assert code == 0 and "cancelled 0 job(s)" in out, out
+
+
+async def _placed(client, job_id: str) -> bool:
+    return (await client.get(f"/v1/jobs/{job_id}")).json()["state"] == "placed"
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("90", 5400), ("10:30", 630), ("01:30:00", 5400), ("1-00:00", 86400), ("2-12", 216000), ("1-00:00:30", 86430),
+    ("1h", 3600), ("90m", 5400), ("45s", 45), ("1h30m", 5400), ("UNLIMITED", None), ("0", None),
+], ids=lambda v: str(v))
+def test_time_limit_reads_slurm_times_and_durations(text: str, seconds: int | None):
+    assert cli.time_limit_s(text) == seconds
+
+
+def test_a_time_limit_it_cannot_read_names_the_forms_it_takes():
+    with pytest.raises(typer.Exit):
+        cli.time_limit_s("ten minutes")

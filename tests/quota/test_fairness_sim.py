@@ -22,7 +22,7 @@ def test_the_same_scenario_and_seed_give_the_same_result():
 
 
 def test_fairshare_1000_reclaims_for_production_when_it_arrives():
-    r = run(fairshare_1000(), hours=8, seed=1)
+    r = run(fairshare_1000(), hours=6.5, seed=1)  # inference arrives at hour 6
     assert r["invalid_transitions"] == 0
     assert r["preemptions"] > 0, "inference arrives at hour 6 and takes back its guarantee from borrowers"
     assert r["gpu_hours"]["production.inference"] > 0

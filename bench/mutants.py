@@ -50,6 +50,7 @@ PREEMPTION = "services/scheduler/preemption.py"
 PLAN = "services/scheduler/plan.py"
 SHAPES = "services/scheduler/shapes.py"
 FAIRSHARE = "shared/fairshare.py"
+GATES = "services/scheduler/gates.py"
 CLUSTER = "shared/cluster.py"
 
 # --- the rules and the tests that guard them (fast example tests first: -x stops at the first failure) ---------
@@ -60,6 +61,7 @@ QR = "tests/quota/test_rules.py"  # fair share: DRF, decay, guarantees, limits, 
 CORE_T = "tests/scheduler/test_core.py"
 LIMITS_T = "tests/scheduler/test_queue_limits.py"
 FAIR_T = "tests/quota/test_fairshare.py"
+GATES_T = "tests/scheduler/test_arrays_dependencies.py"
 PROPS = "tests/scheduler/test_core_properties.py"  # the invariants, over generated clusters (seeded)
 
 
@@ -109,6 +111,13 @@ RULES: dict[str, Rule] = {
                          (SE, CORE_T, PROPS)),
     "reclaim victims": Rule("reclaim evicts only other queues' gangs, never taking a queue below its entitlement",
                             (SE, CORE_T, PROPS)),
+    "dependencies": Rule("a job waits until each dependency ended as its kind asks; one that never can cancels it",
+                         (GATES_T,)),
+    "array throttle": Rule("at most max_running elements of an array are placed or running at once", (GATES_T,)),
+    "singleton": Rule("a singleton waits while a job of its name and owner is placed or running", (GATES_T,)),
+    "reasons are state": Rule("a waiting job's reason is logged when its kind changes, else at most every "
+                              "reason_refresh_s", ("tests/scheduler/test_reason_log.py",)),
+    "gates hold everywhere": Rule("a gated job takes no placement, reservation, eviction or reclaim", (GATES_T,)),
 }
 
 
@@ -227,21 +236,21 @@ MUTANTS: tuple[Mutant, ...] = (
     M("holds-not-counted-up-the-tree", "limits (queue and ancestors)", CORE,
       "            queue = parent_of(queue)", '            queue = ""'),
     M("allocate-ignores-limits", "limits (queue and ancestors)", CORE,
-      "if (why := self.over_limit(job)) is not None:  # it waits for its queue",
-      "if (why := None) is not None:  # it waits for its queue"),
+      "if (why := self.gated(job)) is not None:  # it waits for a gate or its queue",
+      "if (why := self.gates.blocked(job)) is not None:  # it waits for a gate or its queue"),
     M("backfill-ignores-limits", "limits (queue and ancestors)", CORE,
-      "            if (why := self.over_limit(job)) is not None:\n                self.unschedulable[job.job_id] = why\n"
+      "            if (why := self.gated(job)) is not None:\n                self.unschedulable[job.job_id] = why\n"
       "                continue\n            limit = job.spec.time_limit_s",
-      "            if (why := None) is not None:\n                self.unschedulable[job.job_id] = why\n"
+      "            if (why := self.gates.blocked(job)) is not None:\n                self.unschedulable[job.job_id] = why\n"
       "                continue\n            limit = job.spec.time_limit_s"),
     M("preemption-ignores-limits", "limits (queue and ancestors)", CORE,
-      "if not keys or memo in failed or not self.ever_fits(job) or self.over_limit(job) is not None:",
-      "if not keys or memo in failed or not self.ever_fits(job):"),
+      "or self.gated(job) is not None:\n                continue  # (placements",
+      "or self.gates.blocked(job) is not None:\n                continue  # (placements"),
     M("preemptor-not-counted-against-its-limit", "limits (queue and ancestors)", CORE,
       "self.hold(job.queue, self.share(job.spec))  # room is made for it", "pass  # room is made for it"),
     M("reclaim-ignores-limits", "limits (queue and ancestors)", CORE,
-      "or not self.ever_fits(job) or self.over_limit(job) is not None:\n                    continue  # more than",
-      "or not self.ever_fits(job):\n                    continue  # more than"),
+      "or self.gated(job) is not None:\n                    continue  # more than",
+      "or self.gates.blocked(job) is not None:\n                    continue  # more than"),
     M("reclaimer-not-counted-against-its-limit", "limits (queue and ancestors)", CORE,
       "                self.hold(job.queue, size)\n", ""),
     M("division-ignores-limits", "limits (queue and ancestors)", FAIRSHARE,
@@ -315,6 +324,35 @@ MUTANTS: tuple[Mutant, ...] = (
       "if not r.preempting and r.job_id not in self.evicted"),
     M("reclaim-overdraws-victim-queues", "reclaim victims", CORE,
       "return all(staying.get(q, 0.0) - t >= ent.get(q, 0.0) - 1e-9 for q, t in taken.items())", "return True"),
+    # --- gates: dependencies, arrays, singleton (issue 14) -----------------------------------------------------------
+    M("afterok-met-by-any-end", "dependencies", GATES,
+      'MEETS = {"afterok": OK, "afternotok": NOT_OK, "afterany": ENDED}',
+      'MEETS = {"afterok": ENDED, "afternotok": NOT_OK, "afterany": ENDED}'),
+    M("never-met-waits-forever", "dependencies", GATES,
+      "        if state in ENDED and state not in wanted:\n            return \"never\"",
+      "        if False:\n            return \"never\""),
+    M("one-array-element-meets-the-dependency", "dependencies", GATES,
+      "    left = [(j, s) for j, s in jobs if s not in ENDED]\n    if not left:",
+      "    left = [(j, s) for j, s in jobs if s not in ENDED]\n    if len(left) < len(jobs):"),
+    M("array-throttle-ignored", "array throttle", GATES,
+      "self.array_held.get(a.id, 0) >= a.max_running", "self.array_held.get(a.id, 0) > 10**9"),
+    M("array-throttle-off-by-one", "array throttle", GATES,
+      "self.array_held.get(a.id, 0) >= a.max_running", "self.array_held.get(a.id, 0) > a.max_running"),
+    M("placed-elements-not-counted", "array throttle", GATES,
+      "        self._hold(job.job_id, job.spec.name, job.owner, job.spec.array.id if job.spec.array else None)",
+      "        pass"),
+    M("singleton-ignored", "singleton", GATES,
+      "if spec.singleton and (other := self.named.get((spec.name, job.owner))) is not None:",
+      "if False and (other := self.named.get((spec.name, job.owner))) is not None:"),
+    M("singleton-across-owners", "singleton", GATES,
+      "self.named.get((spec.name, job.owner))", "next((j for (n, _), j in self.named.items() if n == spec.name), None)"),
+    M("every-new-reason-logged", "reasons are state", "services/scheduler/reasons.py",
+      "    if not logged or reason_class(reason) != reason_class(logged):\n        return True\n",
+      "    return True\n"),
+    M("reason-refresh-never", "reasons are state", "services/scheduler/reasons.py",
+      "    return logged_at is None or now - logged_at >= refresh_s", "    return logged_at is None"),
+    M("gates-ignored-at-allocation", "gates hold everywhere", CORE,
+      "        return self.gates.blocked(job) or self.over_limit(job)", "        return self.over_limit(job)"),
 )
 
 

@@ -22,6 +22,7 @@ class Settings(BaseSettings):
     cycle_interval_s: float = 2.0  # scheduler and other deciders run at least this often
     heartbeat_timeout_s: float = 10.0  # a node silent this long is lost (health)
     debounce_s: float = 0.05
+    reason_refresh_s: float = 300.0  # a waiting job's reason is logged when its kind changes, else at most this often
     policy: str = "fgd+"  # FGD with CPU-aware fragmentation: above published FGD on every openb workload
     half_life_s: float = 7 * 86400  # decayed usage for fair share, as Slurm's PriorityDecayHalfLife
     reclaim_grace_s: int = 300  # grace a job gets when quota reclaims its GPUs

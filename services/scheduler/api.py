@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from services.scheduler.service import Scheduler
 
 
-def job_view(job: JobRecord) -> dict[str, Any]:
+def job_view(job: JobRecord, live_reason: str | None = None) -> dict[str, Any]:
+    """``live_reason``: the scheduler's latest words for a waiting job (the log holds the latest of its kind)."""
     return {
         "id": job.job_id,
         "name": job.spec.name,
@@ -48,7 +49,7 @@ def job_view(job: JobRecord) -> dict[str, Any]:
             {"task": p.task, "node": p.node_id, "gpus": [g.uuid for g in p.gpus], "shares": [g.milli for g in p.gpus]}
             for p in job.placements
         ],
-        "reason": job.reason,
+        "reason": (live_reason if job.state == "queued" and live_reason else job.reason),
         "exit_code": job.exit_code,
         "task_exits": {str(t): code for t, code in sorted(job.tasks_exited.items())},
         "retries": job.retries,
@@ -117,6 +118,9 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
     r = APIRouter(tags=["jobs"], route_class=manifest_route(cluster))
     limiter = RateLimiter(scheduler.settings.submit_rate_per_s, scheduler.settings.submit_burst)
     secret_name = re.compile(scheduler.settings.secret_env_pattern)
+
+    def view(job: JobRecord) -> dict[str, Any]:
+        return job_view(job, scheduler.live_reasons.get(job.job_id))
 
     def known(job_id: str, p: Principal, need: str = "read") -> JobRecord:
         """The job if this caller may ``need`` it; 404 when they may not even see it (no existence leak)."""
@@ -242,7 +246,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         await svc.caught_up(seqs[-1], advice=f"job {job_id} is recorded: read it with GET /v1/jobs/{job_id} "
                                              "rather than submitting it again")
         job = proj.jobs.get(job_id) or JobRecord(job_id, spec, state="queued", owner=p.user)
-        return {**job_view(job), "warnings": warnings}
+        return {**view(job), "warnings": warnings}
 
     async def submit_array(spec: JobSpec, array: ArrayRequest, p: Principal, warnings: list[str]) -> dict[str, Any]:
         """One job per index, ``<array id>-<index>``, submitted and queued in one batch."""
@@ -277,7 +281,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             if (queue is None or job.spec.queue == queue) and (state is None or job.state == state) \
                     and (array is None or (job.spec.array is not None and job.spec.array.id == array)) \
                     and job_access(p, job, proj.queues) != "none":
-                out.append(job_view(job))
+                out.append(view(job))
                 if len(out) >= limit:
                     break
         return out
@@ -312,7 +316,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         if job_id not in proj.jobs:
             return archived(job_id, p)
         job = known(job_id, p)
-        return {**job_view(job), **({"estimated_start": estimated_start(job)} if estimate else {})}
+        return {**view(job), **({"estimated_start": estimated_start(job)} if estimate else {})}
 
     @r.delete("/v1/jobs/{job_id}", responses=errors(409))
     async def cancel(job_id: JobIdPath, p: Caller) -> dict[str, Any]:
@@ -328,7 +332,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         seq = await svc.log.append(env)
         scheduler.wake.set()
         await svc.caught_up(seq)
-        return {**job_view(proj.jobs.get(job_id, job)), "seq": seq}
+        return {**view(proj.jobs.get(job_id, job)), "seq": seq}
 
     async def cancel_array(array_id: str, members: list[JobRecord], p: Principal) -> dict[str, Any]:
         if any(job_access(p, j, proj.queues) != "cancel" for j in members):

@@ -181,3 +181,37 @@ def held_back(job_id: str, start: float, now: float, nodes: Sequence[str], limit
     wait = max(0, int(start - now))
     ask = "a time limit" if limit is None else f"a time limit under {wait} s (it has {limit} s)"
     return f"the free capacity it fits is held for {job_id} on {where} from {wait} s from now; with {ask} it could backfill"
+
+
+# --- which reasons the log records ---------------------------------------------------------------------------------
+
+
+def reason_class(reason: str) -> str:
+    """The kind of wait a reason names: what a person (or a system reading the log) acts on. The details
+    (how many GPUs are free, on which node) change with every job that starts or ends elsewhere."""
+    if reason.startswith("waiting for dependency"):
+        return "dependency"
+    if reason.startswith("array "):
+        return "array"
+    if reason.startswith("singleton:"):
+        return "singleton"
+    if "at its limit of" in reason or "above the limit of queue" in reason:
+        return "queue limit"
+    if "is held for" in reason:
+        return "reservation"
+    if reason.startswith("waiting for preemption") or "to leave: reclaimed" in reason:
+        return "evictions"
+    if any(w in reason for w in ("can never", "no schedulable node", "even when idle", "even empty",
+                                 "no node could ever")):
+        return "never fits"
+    return "no room now"
+
+
+def worth_logging(logged: str, logged_at: float | None, reason: str, now: float, refresh_s: float) -> bool:
+    """Whether a waiting job's new reason goes to the log: when its class changes, or when its words changed
+    and the last one logged is at least ``refresh_s`` old. Otherwise it is state: the API serves the latest."""
+    if reason == logged:
+        return False
+    if not logged or reason_class(reason) != reason_class(logged):
+        return True
+    return logged_at is None or now - logged_at >= refresh_s

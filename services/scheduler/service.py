@@ -17,6 +17,7 @@ from services.scheduler.api import router
 from services.scheduler.core import Plan
 from services.scheduler.decide import configured_policy, decide
 from services.scheduler.projection import SchedulerProjection
+from services.scheduler.reasons import worth_logging
 from shared import events as ev
 from shared.cluster import ACTIVE, JobRecord
 from shared.eventlog import ConcurrencyConflict
@@ -44,6 +45,10 @@ class Scheduler:
         self.wake = asyncio.Event()
         self.leadership = Leadership("scheduler", source="/gpuorch/scheduler", on_acquired=self.wake.set)
         self.history = JobHistory(settings.db_url, Path(settings.data_dir))
+        # a waiting job's reason: the last cycle's words (what the API shows), and when the log last took one
+        # (only a change of kind is logged at once, else at most every reason_refresh_s: reasons are state)
+        self.live_reasons: dict[str, str] = {}
+        self.reason_logged_at: dict[str, float] = {}
         self.svc = Service(
             "scheduler",
             SchedulerProjection(),
@@ -110,10 +115,16 @@ class Scheduler:
                 log.info("event=preempting job=%s reason=%r grace_s=%d", pre.job_id, pre.reason, pre.grace_s)
             except ConcurrencyConflict:
                 continue
+        self.live_reasons = dict(plan.unschedulable)
         for job_id, reason in plan.unschedulable.items():
             job = self.proj.jobs.get(job_id)
-            if job is not None and job.state == "queued" and job.reason != reason:
+            if job is None or job.state != "queued":
+                continue
+            if worth_logging(job.reason, self.reason_logged_at.get(job_id), reason, now, self.settings.reason_refresh_s):
                 last = max(last, *await self.svc.emit(ev.JobUnschedulable(job_id=job_id, reason=reason), epoch=epoch))
+                self.reason_logged_at[job_id] = now
+        for job_id in [j for j in self.reason_logged_at if j not in plan.unschedulable]:
+            del self.reason_logged_at[job_id]
         for job_id, reason in plan.cancellations.items():
             last = max(last, await self.cancel_unmet(job_id, reason, epoch))
         last = max(last, await self.finish_preemptions(now, epoch))

@@ -229,6 +229,11 @@ def stack_running(data_dir: Path) -> bool:
 
 def api(method: str, url: str, path: str, **kw: Any) -> Any:
     """Call the API; turn every failure into a message a person can act on."""
+    return api_response(method, url, path, **kw).json()
+
+
+def api_response(method: str, url: str, path: str, **kw: Any) -> Any:
+    """The API's answer as an httpx response (for its headers too), every failure a message as for ``api``."""
     import httpx
 
     url = resolve_url(url)
@@ -252,7 +257,7 @@ def api(method: str, url: str, path: str, **kw: Any) -> Any:
             )
             detail = "invalid request:\n  " + detail
         fail(f"{detail} (HTTP {resp.status_code})")
-    return resp.json()
+    return resp
 
 
 def age(ts: float | None, now: float) -> str:
@@ -481,13 +486,22 @@ def job_states(text: str) -> list[str]:
     return out
 
 
-def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int) -> list[dict[str, Any]]:
-    """The jobs the caller may see, newest first: one call per state (the API filters on one)."""
-    params = {"queue": queue} if queue else {}
-    if states is None:
-        return api("GET", url, "/v1/jobs", params={**params, "limit": limit})
-    rows = [j for st in states for j in api("GET", url, "/v1/jobs", params={**params, "state": st, "limit": limit})]
-    return sorted(rows, key=lambda j: j["submitted_at"] or 0, reverse=True)[:limit]
+def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int,
+              name: str | None = None) -> list[dict[str, Any]]:
+    """Up to ``limit`` of the jobs the caller may see, newest first: page after page, following X-Next-Cursor."""
+    params: dict[str, Any] = {k: v for k, v in (("queue", queue), ("name", name)) if v is not None}
+    if states is not None:
+        params["state"] = states
+    rows: list[dict[str, Any]] = []
+    cursor = None
+    while len(rows) < limit:
+        page_params = {**params, "limit": min(limit - len(rows), 1000), **({"cursor": cursor} if cursor else {})}
+        resp = api_response("GET", url, "/v1/jobs", params=page_params)
+        rows += resp.json()
+        cursor = resp.headers.get("x-next-cursor")
+        if not cursor:
+            break
+    return rows
 
 
 def exit_code(job: dict[str, Any]) -> int | None:
@@ -514,10 +528,9 @@ def jobs(
 
     from rich.table import Table
 
-    states = job_states(state) if state else None
-    rows = list_jobs(url, queue, states, limit if (states or all_) else 100_000)
-    if not (all_ or states):
-        rows = [j for j in rows if j["state"] not in FINISHED][:limit]
+    unfinished = [st for st in JOB_STATES if st not in FINISHED]
+    states = job_states(state) if state else (None if all_ else unfinished)
+    rows = list_jobs(url, queue, states, limit)
     if as_json:
         print_json(rows)
         return
@@ -563,7 +576,7 @@ def cancel(
     states = [st for st in (job_states(state) if state else CANCELLABLE) if st in CANCELLABLE]
     if not states:
         fail(f"--state {state}: only unfinished jobs can be cancelled (PD, CF, R, CG, PR)")
-    matching = [j for j in list_jobs(url, queue, states, 100_000) if name is None or j["name"] == name]
+    matching = list_jobs(url, queue, states, 100_000, name=name)
     done = [res for j in matching if (res := _quietly("DELETE", url, f"/v1/jobs/{j['id']}")) is not None]
     if as_json:
         print_json(done)

@@ -60,7 +60,7 @@ ROUTES: list[tuple[str, str]] = [
 ]
 NODE_ACTIONS = ("/cordon", "/drain", "/resume")
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "traceparent", "authorization")
-FORWARDED_RESPONSE_HEADERS = ("www-authenticate", "retry-after")
+FORWARDED_RESPONSE_HEADERS = ("www-authenticate", "retry-after", "x-next-cursor", "link")  # the last two: job pages
 
 
 def owner(path: str) -> str | None:

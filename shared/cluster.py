@@ -85,6 +85,7 @@ class JobRecord:
     preempting_since: float | None = None
     grace_s: int = 0
     owner: str = ""  # the user who submitted it ("" before users existed)
+    submitted_seq: int = 0  # stream sequence of its job.submitted: its place in GET /v1/jobs (newest first)
 
     @property
     def gpu_milli_total(self) -> int:
@@ -122,7 +123,7 @@ KEEP_FINISHED = 5000  # finished jobs kept in memory; older ones are read back f
 
 class ClusterProjection(Projection):
     name = "cluster"
-    SNAPSHOT_VERSION = 1  # bump when state() changes shape, or a fold computes something else
+    SNAPSHOT_VERSION = 2  # bump when state() changes shape, or a fold computes something else (2: submitted_seq)
 
     def __init__(self) -> None:
         super().__init__()
@@ -240,7 +241,7 @@ class ClusterProjection(Projection):
             return
         t = env.timestamp if e.submitted_at is None else e.submitted_at
         self.jobs[e.job_id] = JobRecord(e.job_id, e.spec, submitted_at=t, updated_at=env.timestamp, seq=env.seq,
-                                        owner=e.owner or "")
+                                        owner=e.owner or "", submitted_seq=env.seq)
 
     def on_job_rejected(self, env: Envelope, e: ev.JobRejected) -> None:
         if job := self._job(env, e.job_id, PENDING):

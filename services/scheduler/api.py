@@ -7,10 +7,10 @@ import re
 import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
-from pydantic import Field, StrictBool, field_validator
+from pydantic import Discriminator, Field, StrictBool, Tag, field_validator
 
 from services.jobfiles import Context, load_site_map
 from services.scheduler.admission import admission_error
@@ -71,6 +71,10 @@ JobState = Literal["submitted", "queued", "placed", "running", "preempting", "pr
                    "cancelled", "rejected"]
 
 
+PAGE, MAX_PAGE = 100, 1000  # jobs in a page of GET /v1/jobs: by default, at most
+CURSOR = r"^v1\.[0-9]{1,19}$"  # opaque to clients: the submission sequence the next page starts below
+
+
 MAX_ARRAY = 10_000  # elements of one array: each is a job of its own, two events each, appended in one batch
 
 
@@ -104,6 +108,21 @@ class JobRequest(JobSpec):
         default=None, description="submit a job array: one job per index (the response lists their ids)")
     singleton: StrictBool = Field(default=False, description="Slurm's --dependency=singleton: waits while another "
                                                              "job of the same name and owner is placed or running")
+
+
+MAX_BATCH = 1_000  # job requests in one POST /v1/jobs body (a JSON list): checked one by one, appended at once
+
+
+def _shape(body: Any) -> str:
+    return "batch" if isinstance(body, list) else "one"
+
+
+# One JobRequest, or a batch: a list of them. The tags name the branch in pydantic's errors; ``manifest_route``
+# drops them, so that a single job's errors say ``["body", "command"]`` and a batch's ``["body", 2, "command"]``.
+Submission = Annotated[
+    Annotated[JobRequest, Tag("one")]
+    | Annotated[list[JobRequest], Field(min_length=1, max_length=MAX_BATCH), Tag("batch")],
+    Discriminator(_shape)]
 
 
 def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
@@ -187,104 +206,142 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         moved = sorted(set(apart.secret_env) - set(spec.secret_env))
         return [f"env {', '.join(moved)}: named like secrets, kept as secret_env (stored, never shown)"] if moved else []
 
-    def preview(spec: JobSpec, p: Principal, why: str | None, warnings: list[str]) -> JSONResponse:
+    def refusal(spec: JobSpec, p: Principal) -> tuple[JobSpec, list[str], tuple[int, str] | None]:
+        """The spec with its dependencies resolved, their warnings, and why it is refused (status, detail) or None:
+        it could never run (422), or this caller may not submit it (403)."""
+        if why := admission_error(proj, spec):
+            return spec, [], (422, why)
+        warnings: list[str] = []
+        if spec.dependencies:
+            deps, warnings, why = resolved(spec.dependencies, p)
+            if why:
+                return spec, [], (422, why)
+            spec = spec.model_copy(update={"dependencies": deps})
+        if denied := submit_error(p, proj.queues, spec):
+            return spec, warnings, (403, denied)
+        return spec, warnings, None
+
+    def preview(spec: JobSpec, p: Principal, refused: tuple[int, str] | None, warnings: list[str]) -> dict[str, Any]:
         """What POST without dry_run would do, appending nothing: refused (status, why), or where it goes now."""
-        refused = None
-        if why:
-            refused = {"status": 422, "detail": why}
-        elif denied := submit_error(p, proj.queues, spec):
-            refused = {"status": 403, "detail": denied}
         apart = with_secrets_apart(spec)
         body: dict[str, Any] = {"dry_run": True, "spec": redact(apart.model_dump(mode="json")),
-                                "warnings": warnings + secrets_warning(spec, apart), "refused": refused}
+                                "warnings": warnings + secrets_warning(spec, apart),
+                                "refused": {"status": refused[0], "detail": refused[1]} if refused else None}
         if refused is None:
             body.update(place_now(proj, apart, scheduler.policy, time.time()))
-        return JSONResponse(jsonable_encoder(body))
+        return jsonable_encoder(body)
+
+    def cost(batch: list[JobRequest]) -> int:
+        """Rate-limit tokens: one per job (an array's elements each count), up to a full burst: a batch or an
+        array may be large, but is never refused for its size alone."""
+        jobs = sum(1 if req.array is None else len(req.array.indices) for req in batch)
+        return min(jobs, scheduler.settings.submit_burst)
 
     @r.post("/v1/jobs", status_code=201, responses={**errors(429), 200: {"description": DRY_RUN}})
-    async def submit(req: JobRequest, p: Caller, request: Request,
-                     dry_run: Annotated[bool, Query(description=DRY_RUN)] = False) -> dict[str, Any]:
+    async def submit(body: Annotated[Submission, Body()], p: Caller, request: Request,
+                     dry_run: Annotated[bool, Query(description=DRY_RUN)] = False
+                     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Accept a job (all tasks start together or none does); 422 with the reason if it never could run.
 
         The body is a JobRequest in JSON, or in YAML (Content-Type: application/yaml), or a Kubernetes-family
-        manifest holding one job (batch/v1 Job, PyTorchJob, Volcano Job, Pods of a KAI PodGroup) in JSON or
-        YAML; ``warnings`` says what its translation could not carry over."""
-        warnings = list(getattr(request.state, "jobfile_warnings", []))
-        spec = JobSpec.model_validate(req.model_dump(exclude={"array"}))
-        # an array costs a token per element, up to a full burst: it may be large, but never refused for its size
-        cost = 1 if req.array is None else min(len(req.array.indices), scheduler.settings.submit_burst)
-        if p.role != "admin" and (wait := limiter.take(p.user, time.monotonic(), cost)):
+        manifest (batch/v1 Job, PyTorchJob, Volcano Job, Pods of a KAI PodGroup) in JSON or YAML; ``warnings``
+        says what its translation could not carry over. A JSON list of JobRequests (or a manifest holding several
+        jobs) is a batch of at most MAX_BATCH: each job is checked as if alone, the first refused one refuses the
+        whole batch (``jobs[i]: why``) and nothing is appended; else all are appended at once and the answer lists
+        them in order."""
+        one = not isinstance(body, list)
+        batch: list[JobRequest] = [body] if one else body  # type: ignore[list-item]
+        said = getattr(request.state, "jobfile_warnings", None) or [[] for _ in batch]
+        if (jobs := sum(1 if req.array is None else len(req.array.indices) for req in batch)) > MAX_ARRAY:
+            raise HTTPException(422, f"the batch makes {jobs} jobs (array elements count): at most {MAX_ARRAY} "
+                                     "in one request")
+        if p.role != "admin" and (wait := limiter.take(p.user, time.monotonic(), cost(batch))):
             raise HTTPException(429, f"{p.user} submits faster than {scheduler.settings.submit_rate_per_s:g} jobs/s",
                                 headers={"Retry-After": str(max(1, math.ceil(wait)))})
-        if admission_error(proj, spec):  # maybe stale: catch up with the log's head once, then judge
+        specs = [JobSpec.model_validate(req.model_dump(exclude={"array"})) for req in batch]
+        if any(admission_error(proj, spec) for spec in specs):  # maybe stale: catch up with the log's head once
             assert svc.log is not None
             await svc.caught_up(await svc.log.last_seq(), timeout=2)
-        why = admission_error(proj, spec)
-        if not why and spec.dependencies:
-            deps, dep_warnings, why = resolved(spec.dependencies, p)
-            spec = spec.model_copy(update={"dependencies": deps})
-            warnings += dep_warnings
+        checked = [refusal(spec, p) for spec in specs]
         if dry_run:
-            return preview(spec, p, why, warnings)  # type: ignore[return-value]
-        if why:
-            raise HTTPException(422, why)
-        if why := submit_error(p, proj.queues, spec):
-            raise HTTPException(403, why)
-        spec, asked = with_secrets_apart(spec), spec
-        warnings += secrets_warning(asked, spec)
-        if req.array is not None:
-            return await submit_array(spec, req.array, p, warnings)
-        job_id = new_id("j-")
-        source = "/gpuorch/scheduler"
-        assert svc.log is not None
-        seqs = await svc.log.append_many([
-            Envelope(ev.JobSubmitted(job_id=job_id, spec=spec, owner=p.user), id=f"{job_id}-submitted", source=source,
-                     actor=p.user),
-            Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source, actor=p.user),
-        ])
-        scheduler.wake.set()
-        await svc.caught_up(seqs[-1], advice=f"job {job_id} is recorded: read it with GET /v1/jobs/{job_id} "
-                                             "rather than submitting it again")
-        job = proj.jobs.get(job_id) or JobRecord(job_id, spec, state="queued", owner=p.user)
-        return {**view(job), "warnings": warnings}
+            previews = [preview(spec, p, refused, [*w, *more]) for (spec, more, refused), w in zip(checked, said)]
+            return JSONResponse(previews[0] if one else previews)  # type: ignore[return-value]
+        for i, (_, _, refused) in enumerate(checked):
+            if refused:
+                raise HTTPException(refused[0], refused[1] if one else f"jobs[{i}]: {refused[1]}")
+        accepted = []
+        for req, (spec, more, _), w in zip(batch, checked, said):
+            apart = with_secrets_apart(spec)
+            accepted.append((req, apart, [*w, *more, *secrets_warning(spec, apart)]))
+        answers = await record(accepted, p)
+        return answers[0] if one else answers
 
-    async def submit_array(spec: JobSpec, array: ArrayRequest, p: Principal, warnings: list[str]) -> dict[str, Any]:
-        """One job per index, ``<array id>-<index>``, submitted and queued in one batch."""
-        array_id, source = new_id("j-"), "/gpuorch/scheduler"
-        ids, envs = [], []
-        for i in array.indices:
-            job_id = f"{array_id}-{i}"
-            element = ArrayElement(id=array_id, index=i, max_running=array.max_running)
-            envs += [Envelope(ev.JobSubmitted(job_id=job_id, spec=spec.model_copy(update={"array": element}),
-                                              owner=p.user), id=f"{job_id}-submitted", source=source, actor=p.user),
-                     Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source, actor=p.user)]
-            ids.append(job_id)
+    async def record(accepted: list[tuple[JobRequest, JobSpec, list[str]]], p: Principal) -> list[dict[str, Any]]:
+        """Append every job's ``job.submitted`` and ``job.queued`` (each array element a job of its own, id
+        ``<array id>-<index>``) in one batch, wait once for the fold to reach the last, and answer each request."""
+        source, envs, made = "/gpuorch/scheduler", [], []
+        for req, spec, _ in accepted:
+            base = new_id("j-")
+            jobs = [(base, spec)] if req.array is None else [
+                (f"{base}-{i}", spec.model_copy(update={"array": ArrayElement(
+                    id=base, index=i, max_running=req.array.max_running)})) for i in req.array.indices]
+            for job_id, s in jobs:
+                envs += [Envelope(ev.JobSubmitted(job_id=job_id, spec=s, owner=p.user), id=f"{job_id}-submitted",
+                                  source=source, actor=p.user),
+                         Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source, actor=p.user)]
+            made.append((base, [job_id for job_id, _ in jobs]))
         assert svc.log is not None
         seqs = await svc.log.append_many(envs)
         scheduler.wake.set()
-        await svc.caught_up(seqs[-1], advice=f"array {array_id} is recorded: read it with GET /v1/jobs/{array_id} "
-                                             "rather than submitting it again")
-        return {"id": array_id, "array": array_id, "name": spec.name, "queue": spec.queue, "state": "queued",
-                "count": len(ids), "max_running": array.max_running, "jobs": ids, "warnings": warnings}
+        what = f"{'array' if accepted[0][0].array else 'job'} {made[0][0]} is" if len(made) == 1 else \
+            f"the batch's {len(made)} jobs ({made[0][0]} to {made[-1][0]}) are"
+        await svc.caught_up(seqs[-1], advice=f"{what} recorded: read it with GET /v1/jobs/{made[0][0]} rather than "
+                                             "submitting it again")
+        out = []
+        for (req, spec, warnings), (base, ids) in zip(accepted, made):
+            if req.array is None:
+                out.append({**view(proj.jobs.get(base) or JobRecord(base, spec, state="queued", owner=p.user)),
+                            "warnings": warnings})
+            else:
+                out.append({"id": base, "array": base, "name": spec.name, "queue": spec.queue, "state": "queued",
+                            "count": len(ids), "max_running": req.array.max_running, "jobs": ids,
+                            "warnings": warnings})
+        return out
 
     @r.get("/v1/jobs")
-    def list_jobs(
+    async def list_jobs(
         p: Caller,
+        request: Request,
+        response: Response,
         queue: Annotated[str | None, Query(pattern=QUEUE_PATH)] = None,
-        state: JobState | None = None,
-        limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+        state: Annotated[list[JobState] | None, Query(description="any of these states (repeat it)")] = None,
+        name: Annotated[str | None, Query(max_length=256)] = None,
+        owner: Annotated[str | None, Query(max_length=256)] = None,
         array: Annotated[str | None, Query(pattern=JOB_ID, description="only the elements of this job array")] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = PAGE,
+        cursor: Annotated[str | None, Query(pattern=CURSOR, description="the X-Next-Cursor of the page before")] = None,
     ) -> list[dict[str, Any]]:
-        """The jobs this caller may see, newest first."""
-        out = []
-        for job in reversed(proj.jobs.values()):
-            if (queue is None or job.spec.queue == queue) and (state is None or job.state == state) \
+        """A page of the jobs this caller may see, newest first; ``X-Next-Cursor`` (and ``Link: rel=next``) name
+        the next page while there may be one. Async on purpose: the page is read between two folds, never while one
+        changes the jobs it walks."""
+        after = int(cursor.removeprefix("v1.")) if cursor else None
+        states = set(state) if state else None
+        page: list[JobRecord] = []
+        for job in reversed(proj.jobs.values()):  # submission order: stable while new jobs arrive at the front
+            if after is not None and job.submitted_seq >= after:
+                continue
+            if (queue is None or job.spec.queue == queue) and (states is None or job.state in states) \
+                    and (name is None or job.spec.name == name) and (owner is None or job.owner == owner) \
                     and (array is None or (job.spec.array is not None and job.spec.array.id == array)) \
                     and job_access(p, job, proj.queues) != "none":
-                out.append(view(job))
-                if len(out) >= limit:
+                page.append(job)
+                if len(page) >= limit:
+                    next_cursor = f"v1.{job.submitted_seq}"
+                    response.headers["X-Next-Cursor"] = next_cursor
+                    query = request.url.include_query_params(cursor=next_cursor).query
+                    response.headers["Link"] = f'<{request.url.path}?{query}>; rel="next"'
                     break
-        return out
+        return [view(job) for job in page]
 
     def estimated_start(job: JobRecord) -> float | None:
         """When a queued job should start: now if the cycle would place it, else its backfill reservation's start

@@ -1,6 +1,7 @@
 """POST /v1/jobs bodies that are not a JobRequest in JSON: a Kubernetes-family manifest (YAML or JSON) or a
 JobRequest in YAML, translated by services.jobfiles into the JobRequest JSON the route validates, with the
-translation's warnings in ``request.state.jobfile_warnings``."""
+translation's warnings in ``request.state.jobfile_warnings`` (one list per job). A body holding several jobs
+becomes a batch: the JSON list of their JobRequests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
 from services.jobfiles import Context, JobFileError, is_manifest, load_documents, parse_documents
@@ -26,7 +28,10 @@ def manifest_route(context: Callable[[], Context], path: str = "/v1/jobs") -> ty
                 return handler
 
             async def route(request: Request) -> Response:
-                return await handler(await as_job_request(request, context))
+                try:
+                    return await handler(await as_job_request(request, context))
+                except RequestValidationError as e:
+                    raise RequestValidationError([untagged(err) for err in e.errors()], body=e.body) from None
 
             return route
 
@@ -54,6 +59,15 @@ def _docs(request: Request, body: bytes) -> list[Any] | None:
     return parse_documents(body.decode(), "the request body", as_json=True) if is_manifest(doc) else None
 
 
+def untagged(err: dict[str, Any]) -> dict[str, Any]:
+    """An error of the one-or-batch body without the branch's tag: ``["body", "one", "command"]`` is
+    ``["body", "command"]``, ``["body", "batch", 2, "command"]`` is ``["body", 2, "command"]``."""
+    loc = tuple(err.get("loc", ()))
+    if loc[:1] == ("body",) and loc[1:2] in (("one",), ("batch",)):
+        return {**err, "loc": ("body", *loc[2:])}
+    return err
+
+
 async def as_job_request(request: Request, context: Callable[[], Context]) -> Request:
     body = await request.body()
     docs = _docs(request, body) if body else None
@@ -63,15 +77,13 @@ async def as_job_request(request: Request, context: Callable[[], Context]) -> Re
         loaded = load_documents(docs, "the request body", context())
     except JobFileError as e:
         raise HTTPException(422, str(e)) from None
-    if len(loaded.jobs) != 1:
-        names = ", ".join(t.job.get("name", "?") for t in loaded.jobs)
-        raise HTTPException(422, f"the body holds {len(loaded.jobs)} jobs{f' ({names})' if names else ''}: POST one "
-                                 "at a time (gpuorch submit -f submits each job of a file)")
-    job = loaded.jobs[0]
-    warnings = [*job.warnings, *loaded.notes,
-                *(f"{q.origin}: a queue is applied with PUT /v1/queues/{q.path} (gpuorch queues apply -f): skipped"
-                  for q in loaded.queues)]
-    data = json.dumps(job.job).encode()
+    if not loaded.jobs:
+        raise HTTPException(422, "the body holds no job")
+    body_notes = [*loaded.notes, *(f"{q.origin}: a queue is applied with PUT /v1/queues/{q.path} (gpuorch queues "
+                                   "apply -f): skipped" for q in loaded.queues)]
+    warnings = [[*job.warnings, *body_notes] for job in loaded.jobs]
+    jobs = [job.job for job in loaded.jobs]
+    data = json.dumps(jobs[0] if len(jobs) == 1 else jobs).encode()
     request.scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k not in (b"content-type",
                                                                                         b"content-length")]
     request.scope["headers"] += [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]

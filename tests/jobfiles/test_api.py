@@ -87,7 +87,8 @@ async def test_a_manifest_gpuorch_will_not_run_as_written_is_422_naming_the_fiel
         bad = MANIFEST.replace("parallelism: 2", "parallelism: 2\n  completions: 8").replace("  completions: 2\n", "")
         cases = [
             (bad, "spec.completions=8"),
-            (MANIFEST + "\n---\n" + MANIFEST.split("---")[1].replace("finetune", "second"), "2 jobs (finetune, second)"),
+            # two jobs are a batch, refused whole when one is (no queue nlp here)
+            (MANIFEST + "\n---\n" + MANIFEST.split("---")[1].replace("finetune", "second"), "jobs[0]: unknown queue"),
             ("apiVersion: kubeflow.org/v2beta1\nkind: MPIJob\nmetadata: {name: m}\n", "gpuorch does not run MPIJob"),
             ("a: [unclosed", "not valid YAML"),
         ]

@@ -16,12 +16,18 @@ INPUTS = Path(__file__).resolve().parents[1] / "data" / "inputs"
 
 def through(client, loop: asyncio.AbstractEventLoop):
     """cli.api, answered by the in-process stack's ASGI app (the CLI runs in a thread beside the stack's loop)."""
-    def api(method: str, url: str, path: str, **kw):
+    respond = through_response(client, loop)
+    return lambda method, url, path, **kw: respond(method, url, path, **kw).json()
+
+
+def through_response(client, loop: asyncio.AbstractEventLoop):
+    """cli.api_response (which cli.api calls), answered as ``through`` answers: for commands that read headers."""
+    def api_response(method: str, url: str, path: str, **kw):
         resp = asyncio.run_coroutine_threadsafe(client.request(method, path, **kw), loop).result(30)
         if resp.status_code >= 400:
             cli.fail(f"{resp.json().get('detail')} (HTTP {resp.status_code})")
-        return resp.json()
-    return api
+        return resp
+    return api_response
 
 
 async def gpuorch(*args: str) -> tuple[int, str]:

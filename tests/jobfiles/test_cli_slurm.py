@@ -10,7 +10,7 @@ import pytest
 import typer
 
 from services import cli
-from tests.jobfiles.test_cli import gpuorch, through
+from tests.jobfiles.test_cli import gpuorch, through_response
 from tests.support import as_user, in_process_stack, nodes_up, until
 
 
@@ -35,7 +35,7 @@ async def test_jobs_s_takes_slurm_codes_and_show_tells_exit_codes_reasons_and_th
         eventlog, agents, monkeypatch):
     agents("a")  # t4-4x: four GPUs
     async with in_process_stack(eventlog) as (client, _):
-        monkeypatch.setattr(cli, "api", through(client, asyncio.get_running_loop()))
+        monkeypatch.setattr(cli, "api_response", through_response(client, asyncio.get_running_loop()))
         await nodes_up(client, 1)
         ok = await submit("--name", "ok", "--", "true")
         bad = await submit("--name", "bad", "--", "sh", "-c", "exit 3")
@@ -88,7 +88,7 @@ async def test_cancel_takes_filters_cancels_only_what_matches_and_the_caller_may
         await eventlog.append_many([Envelope(ev.NodeRegistered(node_id="n0", node=node("n0").gpus(8).build()))])
         await nodes_up(client, 1)
         alice, bob = await as_user(client, "alice", role="operator"), await as_user(client, "bob")  # she sees his
-        monkeypatch.setattr(cli, "api", through(alice, asyncio.get_running_loop()))
+        monkeypatch.setattr(cli, "api_response", through_response(alice, asyncio.get_running_loop()))
         sweeps = [await submit("--name", "sweep", "-g", "8", "--", "true") for _ in range(3)]  # one placed, two wait
         other = await submit("--name", "eval", "-g", "8", "--", "true")
         body = {"name": "sweep", "command": ["true"], "resources": {"gpus": 8}}

@@ -336,16 +336,22 @@ def submit(
     if bad:
         fail(f"--env takes K=V, got {bad[0]!r}")
     limit_s = time_limit_s(time_limit) if time_limit is not None else None
-    answers = []
+    bodies = []
     for t in translated:
         body = _with_flags(dict(t.job), command, name=name, queue=queue, priority=priority, tasks=tasks, gpus=gpus,
                            cpu=cpu, memory=memory, model=model, mig=mig, topology=topology, time_limit_s=limit_s,
                            max_retries=max_retries, env=env)
-        body.update(slurm)
+        bodies.append({**body, **slurm})
         label = f"{t.origin}: " if len(translated) > 1 else ""
         for w in t.warnings:
             err.print(f"[yellow]warning:[/yellow] {label}{w}")
-        job = api("POST", url, "/v1/jobs", json=body, params={"dry_run": "true"} if dry_run else None)
+    # the jobs of one file go in one request, a batch: every one is accepted, or none is (jobs[i] says which not)
+    params = {"dry_run": "true"} if dry_run else None
+    answered = api("POST", url, "/v1/jobs", json=bodies, params=params) if len(bodies) > 1 else \
+        [api("POST", url, "/v1/jobs", json=bodies[0], params=params)]
+    answers = []
+    for t, job in zip(translated, answered):
+        label = f"{t.origin}: " if len(translated) > 1 else ""
         job["warnings"] = [*t.warnings, *job.get("warnings", [])]
         if t.logs:
             job["logs"] = t.logs
@@ -486,6 +492,9 @@ def job_states(text: str) -> list[str]:
     return out
 
 
+JOBS_PAGE = 1000  # jobs asked for at once: the API's largest page
+
+
 def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int,
               name: str | None = None) -> list[dict[str, Any]]:
     """Up to ``limit`` of the jobs the caller may see, newest first: page after page, following X-Next-Cursor."""
@@ -495,7 +504,7 @@ def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int,
     rows: list[dict[str, Any]] = []
     cursor = None
     while len(rows) < limit:
-        page_params = {**params, "limit": min(limit - len(rows), 1000), **({"cursor": cursor} if cursor else {})}
+        page_params = {**params, "limit": min(limit - len(rows), JOBS_PAGE), **({"cursor": cursor} if cursor else {})}
         resp = api_response("GET", url, "/v1/jobs", params=page_params)
         rows += resp.json()
         cursor = resp.headers.get("x-next-cursor")
@@ -663,7 +672,13 @@ def show(job_id: Annotated[str, typer.Argument()], url: UrlOpt = DEFAULT_URL, as
     if as_json:
         print_json(job)
         return
-    lines = job_lines(job, time.time())
+    if "states" in job:  # an array's id: its summary
+        lines = [("array", job["id"]), ("name", job["name"]), ("queue", job["queue"]), ("elements", str(job["count"])),
+                 ("at once", str(job["max_running"] or "no limit")),
+                 ("states", ", ".join(f"{n} {s}" for s, n in sorted(job["states"].items()))),
+                 ("jobs", " ".join(job["jobs"]))]
+    else:
+        lines = job_lines(job, time.time())
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
         console.print(f"[bold]{k + ':':<{width + 1}}[/bold] {escape(v)}", highlight=False)

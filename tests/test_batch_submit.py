@@ -98,8 +98,9 @@ async def test_a_user_may_not_batch_into_a_queue_they_cannot_use_and_each_job_co
     async with in_process_stack(eventlog, heartbeat_timeout_s=3600, submit_rate_per_s=0.001, submit_burst=4) as (
             client, _):
         assert (await client.put("/v1/queues/vision", json={"groups": ["vision"]})).status_code == 200
-        before = await with_a_node(eventlog)
+        await with_a_node(eventlog)
         carol = await as_user(client, "carol", ("nlp",))
+        before = await eventlog.last_seq()
         r = await carol.post("/v1/jobs", json=[job("mine"), job("theirs", queue="vision")])
         assert r.status_code == 403 and r.json()["detail"].startswith("jobs[1]: queue vision admits"), r.text
         assert await eventlog.last_seq() == before

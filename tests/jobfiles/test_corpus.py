@@ -30,7 +30,9 @@ def mapping(req: JobRequest) -> dict[str, Any]:
     return {"tasks": req.tasks, "gpus": req.resources.gpus, "nodes": nodes, "models": set(req.gpu.models),
             "mig": req.gpu.mig, "time_limit_s": req.time_limit_s, "queue": req.queue, "priority": req.priority,
             "cpu_milli": req.resources.cpu_milli, "memory_mib": req.resources.memory_mib,
-            "max_retries": req.max_retries, "name": req.name}
+            "max_retries": req.max_retries, "name": req.name,
+            "array": [len(req.array.indices), req.array.max_running] if req.array else None,  # elements, at once
+            "dependencies": [f"{d.kind}:{d.job}" for d in req.dependencies] + (["singleton"] if req.singleton else [])}
 
 
 def test_the_corpus_holds_thirty_files_or_more_each_with_its_expectation():
@@ -55,6 +57,8 @@ def test_each_file_is_read_as_its_format_means_or_refused_saying_what_to_write(n
         got = mapping(JobRequest.model_validate(translated.job))  # what POST /v1/jobs takes, as it takes it
         expected = {k: v for k, v in job.items() if k not in OPTIONAL}
         expected.setdefault("mig", None)
+        expected.setdefault("array", None)  # [elements, at most at once]
+        expected.setdefault("dependencies", [])
         expected["models"] = set(expected["models"])
         assert {k: got[k] for k in expected} == expected
         for k in OPTIONAL:

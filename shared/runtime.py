@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import re
 import signal
@@ -128,6 +130,8 @@ class Service:
         self.stop_event = asyncio.Event()
         self.changed = asyncio.Event()  # set on every folded event: timers wait on it to debounce
         self.catch_up_timeout_s = 2.0  # how long caught_up waits for the fold by default
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of caught_up calls: (seq, tie, wake)
+        self._tie = itertools.count()
         self._since_snapshot = 0
 
     # --- lifecycle -------------------------------------------------------------------
@@ -208,6 +212,7 @@ class Service:
                 reason = "unknown_type" if rec.unknown_type else "malformed"
                 self.metrics.skipped.labels(self.name, reason).inc()
                 log.warning("service=%s skipped seq=%d reason=%r", self.name, rec.seq, rec.reason)
+                self._wake()
             return None
         if rec.seq and rec.seq <= self.projection.seq:  # a redelivery: its reaction runs again, unless it was rejected
             return None if self.projection.was_rejected(rec.seq) else rec
@@ -218,6 +223,7 @@ class Service:
         invalid.set(self.projection.invalid_count)
         self._since_snapshot += 1
         self.changed.set()
+        self._wake()
         return rec if valid else None
 
     async def _on_message(self, rec: Record, msg: Msg) -> None:
@@ -256,11 +262,25 @@ class Service:
         NotCaughtUp, ending with ``advice``, after ``timeout`` (default ``catch_up_timeout_s``): an API answers 503
         rather than from stale state."""
         timeout = self.catch_up_timeout_s if timeout is None else timeout
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while self.projection.seq < seq:
-            if asyncio.get_running_loop().time() > deadline:
+            left = deadline - loop.time()
+            if left <= 0:
                 raise NotCaughtUp(self.name, self.projection.seq, seq, timeout, advice)
-            await asyncio.sleep(0.005)
+            # woken once, by the fold that reaches ``seq`` (many callers polling would each cost a wake-up every few
+            # ms); the short slice re-checks a position that moved otherwise (a snapshot restored, a test's hand)
+            wake = loop.create_future()
+            heapq.heappush(self._waiting, (seq, next(self._tie), wake))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake, min(left, 0.05))
+
+    def _wake(self) -> None:
+        """Resolve the caught_up calls whose sequence the fold has reached."""
+        while self._waiting and self._waiting[0][0] <= self.projection.seq:
+            wake = heapq.heappop(self._waiting)[2]
+            if not wake.done():
+                wake.set_result(None)
 
     async def emit(self, *events: Event, expected_last_subject_seq: int | None = None, epoch: int | None = None,
                    actor: str | None = None) -> list[int]:

@@ -54,9 +54,16 @@ async def submitted_seqs(eventlog: EventLog, after: int) -> list[tuple[int, str,
 
 
 async def test_a_batch_of_three_is_appended_in_one_append_many_and_answered_in_order(eventlog, monkeypatch):
-    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, services):
         before = await with_a_node(eventlog)
         calls = counting_appends(eventlog, monkeypatch)
+        waited, scheduler = [], services["scheduler"]
+        real_wait = scheduler.caught_up
+
+        async def caught_up(seq, *a, **kw):
+            waited.append(seq)
+            return await real_wait(seq, *a, **kw)
+        monkeypatch.setattr(scheduler, "caught_up", caught_up)
         r = await client.post("/v1/jobs", json=[job("a"), job("b", env={"API_TOKEN": "s3cret"}), job("c")])
         assert r.status_code == 201, r.text
         jobs = r.json()
@@ -65,6 +72,7 @@ async def test_a_batch_of_three_is_appended_in_one_append_many_and_answered_in_o
         logged = (await submitted_seqs(eventlog, before))[:6]
         assert [s for s, _, _ in logged] == list(range(logged[0][0], logged[0][0] + 6)), "not one contiguous batch"
         assert [i for _, t, i in logged if t == "job.submitted"] == [j["id"] for j in jobs]
+        assert waited == [logged[-1][0]], "the answer waits, once, for the fold to reach the batch's last event"
         assert jobs[1]["spec"]["secret_env"] == {"API_TOKEN": "<redacted>"} and "s3cret" not in r.text
         for j in jobs:  # read-your-writes: every job is there right after the 201
             assert (await client.get(f"/v1/jobs/{j['id']}")).status_code == 200

@@ -206,10 +206,22 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         moved = sorted(set(apart.secret_env) - set(spec.secret_env))
         return [f"env {', '.join(moved)}: named like secrets, kept as secret_env (stored, never shown)"] if moved else []
 
-    def refusal(spec: JobSpec, p: Principal) -> tuple[JobSpec, list[str], tuple[int, str] | None]:
+    def admitted(specs: list[JobSpec]) -> list[str | None]:
+        """Each spec's admission_error, judged once per shape (each judgement builds the cluster's nodes anew): the
+        jobs of a batch often differ only in what no placement reads, their name, command and environment."""
+        judged: dict[str, str | None] = {}
+        out = []
+        for spec in specs:
+            shape = spec.model_dump_json(exclude={"name", "command", "env", "secret_env"})
+            if shape not in judged:
+                judged[shape] = admission_error(proj, spec)
+            out.append(judged[shape])
+        return out
+
+    def refusal(spec: JobSpec, p: Principal, why: str | None) -> tuple[JobSpec, list[str], tuple[int, str] | None]:
         """The spec with its dependencies resolved, their warnings, and why it is refused (status, detail) or None:
-        it could never run (422), or this caller may not submit it (403)."""
-        if why := admission_error(proj, spec):
+        it could never run (``why``, its admission error: 422), or this caller may not submit it (403)."""
+        if why:
             return spec, [], (422, why)
         warnings: list[str] = []
         if spec.dependencies:
@@ -231,11 +243,9 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             body.update(place_now(proj, apart, scheduler.policy, time.time()))
         return jsonable_encoder(body)
 
-    def cost(batch: list[JobRequest]) -> int:
-        """Rate-limit tokens: one per job (an array's elements each count), up to a full burst: a batch or an
-        array may be large, but is never refused for its size alone."""
-        jobs = sum(1 if req.array is None else len(req.array.indices) for req in batch)
-        return min(jobs, scheduler.settings.submit_burst)
+    def job_count(batch: list[JobRequest]) -> int:
+        """The jobs a request makes: an array's elements each count."""
+        return sum(1 if req.array is None else len(req.array.indices) for req in batch)
 
     @r.post("/v1/jobs", status_code=201, responses={**errors(429), 200: {"description": DRY_RUN}})
     async def submit(body: Annotated[Submission, Body()], p: Caller, request: Request,
@@ -252,17 +262,19 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         one = not isinstance(body, list)
         batch: list[JobRequest] = [body] if one else body  # type: ignore[list-item]
         said = getattr(request.state, "jobfile_warnings", None) or [[] for _ in batch]
-        if (jobs := sum(1 if req.array is None else len(req.array.indices) for req in batch)) > MAX_ARRAY:
+        if (jobs := job_count(batch)) > MAX_ARRAY:
             raise HTTPException(422, f"the batch makes {jobs} jobs (array elements count): at most {MAX_ARRAY} "
                                      "in one request")
-        if p.role != "admin" and (wait := limiter.take(p.user, time.monotonic(), cost(batch))):
+        tokens = min(jobs, scheduler.settings.submit_burst)  # one per job, up to a burst: never refused for its size
+        if p.role != "admin" and (wait := limiter.take(p.user, time.monotonic(), tokens)):
             raise HTTPException(429, f"{p.user} submits faster than {scheduler.settings.submit_rate_per_s:g} jobs/s",
                                 headers={"Retry-After": str(max(1, math.ceil(wait)))})
         specs = [JobSpec.model_validate(req.model_dump(exclude={"array"})) for req in batch]
-        if any(admission_error(proj, spec) for spec in specs):  # maybe stale: catch up with the log's head once
+        if any(verdicts := admitted(specs)):  # maybe stale: catch up with the log's head once, then judge again
             assert svc.log is not None
             await svc.caught_up(await svc.log.last_seq(), timeout=2)
-        checked = [refusal(spec, p) for spec in specs]
+            verdicts = admitted(specs)
+        checked = [refusal(spec, p, why) for spec, why in zip(specs, verdicts)]
         if dry_run:
             previews = [preview(spec, p, refused, [*w, *more]) for (spec, more, refused), w in zip(checked, said)]
             return JSONResponse(previews[0] if one else previews)  # type: ignore[return-value]

@@ -1,0 +1,178 @@
+"""A large backlog (issue 15): GET /v1/jobs latency during and after a flood, and restart time on that data dir.
+
+    python -m bench.backlog                 # 20,000 jobs (about 5 minutes on 2 cores: the flood takes most)
+    python -m bench.backlog --jobs 5000 --json backlog.json
+
+`gpuorch up` (one t4-4x node: four GPUs) on a fresh data dir; 20,000 one-GPU `sleep 3600` jobs are submitted
+by concurrent clients (arrays of ``--batch`` elements), so four run and the rest wait. Meanwhile and afterwards,
+one client times GET /v1/jobs: the first page (100 jobs), a filtered page (``state=running``: four matches, so
+every job is walked) and a deep page (100 jobs from a cursor 10,000 jobs down). Then the stack is stopped with
+SIGINT and started again, then SIGKILLed and started again: time from the start of `up` to /readyz answering 200
+and to every service ready (median of ``--restarts``). Figures: docs/benchmarks/backlog.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.chaos import Stack
+
+TARGETS = {"list_p99_s": 0.2, "restart_s": 5.0}
+BEFORE = {"list_p99_during_s": 3.07, "list_p99_after_s": 1.33, "restart_clean_s": 14.0, "restart_sigkill_s": 51.0}
+JOB = {"name": "wait", "resources": {"gpus": 1}, "command": ["sleep", "3600"]}
+KINDS = ("first", "filtered", "deep")
+
+
+def quantiles(xs: list[float]) -> dict[str, float | int]:
+    xs = sorted(xs)
+    pick = (lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else (lambda q: float("nan"))
+    return {"n": len(xs), "p50_ms": round(pick(0.5) * 1000, 1), "p99_ms": round(pick(0.99) * 1000, 1),
+            "max_ms": round(xs[-1] * 1000, 1) if xs else float("nan")}
+
+
+async def flood(stack: Stack, jobs: int, batch: int, clients: int, done: asyncio.Event) -> tuple[float, int]:
+    """Submit ``jobs`` jobs as arrays of ``batch``, ``clients`` at a time: the seconds it took, and how many
+    answers were 503 (recorded, but not yet folded by the scheduler within 2 s)."""
+    t0, left, slow = time.monotonic(), [jobs], [0]
+
+    async def client() -> None:
+        while left[0] > 0:
+            n = min(batch, left[0])
+            left[0] -= n
+            body = {**JOB, "array": {"indices": list(range(n))}} if n > 1 else JOB
+            r = await stack.api.post("/v1/jobs", json=body, timeout=60)
+            slow[0] += r.status_code == 503  # recorded, but the scheduler's fold was over 2 s behind: it says so
+            assert r.status_code == 201 or (r.status_code == 503 and "is recorded" in r.text), r.text
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    done.set()
+    return time.monotonic() - t0, slow[0]
+
+
+async def deep_cursor(stack: Stack, depth: int) -> str | None:
+    """The cursor ``depth`` jobs down, by following the pages as a client would."""
+    cursor, seen = None, 0
+    while seen < depth:
+        params = {"limit": min(1000, depth - seen), **({"cursor": cursor} if cursor else {})}
+        r = await stack.api.get("/v1/jobs", params=params, timeout=60)
+        seen += len(r.json())
+        cursor = r.headers.get("x-next-cursor")
+        if cursor is None:
+            return None
+    return cursor
+
+
+async def sample(stack: Stack, kind: str, cursor: str | None) -> float | None:
+    params = {"first": {}, "filtered": {"state": "running"}, "deep": {"cursor": cursor}}[kind]
+    if kind == "deep" and cursor is None:
+        return None
+    t0 = time.monotonic()
+    r = await stack.api.get("/v1/jobs", params={"limit": 100, **params}, timeout=60)
+    assert r.status_code == 200, r.text
+    return time.monotonic() - t0
+
+
+async def measure(stack: Stack, until: asyncio.Event | None, rounds: int, depth: int) -> dict[str, dict]:
+    """Time the three kinds in turn: while ``until`` is not set (during a flood), else ``rounds`` times each."""
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    cursor, i = None, 0
+    while (until is not None and not until.is_set()) or (until is None and i < rounds):
+        if cursor is None:
+            cursor = await deep_cursor(stack, depth)  # None until the backlog is that deep
+        for kind in KINDS:
+            if (t := await sample(stack, kind, cursor)) is not None:
+                times[kind].append(t)
+        i += 1
+        await asyncio.sleep(0.02 if until is not None else 0)
+    return {k: quantiles(v) for k, v in times.items()}
+
+
+async def restart(stack: Stack, how: str) -> dict[str, float]:
+    """Stop the stack (SIGINT: Ctrl-C, or SIGKILL of `up` and its group), start it again: seconds to ready."""
+    assert stack.proc is not None
+    if how == "sigint":
+        stack.stop()
+    else:
+        os.killpg(stack.proc.pid, signal.SIGKILL)
+        stack.proc.wait()
+    stack._client = None
+    t0 = time.monotonic()
+    stack.start()
+    readyz = None
+    while True:
+        try:
+            if readyz is None and (await stack.api.get("/readyz")).status_code == 200:
+                readyz = time.monotonic() - t0
+        except Exception:  # noqa: BLE001 - not listening yet, or no token written yet
+            pass
+        if readyz is not None and await stack.ready():
+            return {"readyz_s": round(readyz, 2), "all_ready_s": round(time.monotonic() - t0, 2)}
+        if time.monotonic() - t0 > 180:
+            raise TimeoutError(f"not ready after 180 s: see {stack.data_dir / 'up.out'}")
+        await asyncio.sleep(0.05)
+
+
+async def run(jobs: int, batch: int, clients: int, rounds: int, restarts: int, data_dir: Path) -> dict:
+    stack = Stack(data_dir, "t4-4x:1", split=False)
+    stack.start()
+    try:
+        await stack.until_ready()
+        done = asyncio.Event()
+        depth = min(10_000, jobs // 2)
+        (flood_s, slow), during = await asyncio.gather(flood(stack, jobs, batch, clients, done),
+                                               measure(stack, done, 0, depth))
+        after = await measure(stack, None, rounds, depth)
+        restarts_out = {how: [await restart(stack, how) for _ in range(restarts)] for how in ("sigint", "sigkill")}
+        count = len((await stack.api.get("/v1/jobs", params={"limit": 1000})).json())
+        return {"cores": os.cpu_count(), "jobs": jobs, "flood_s": round(flood_s, 1), "flood_503": slow,
+                "first_page_after_restart": count, "during": during, "after": after, "restart": {
+                    how: {"readyz_s": statistics.median(r["readyz_s"] for r in rs),
+                          "all_ready_s": statistics.median(r["all_ready_s"] for r in rs), "runs": rs}
+                    for how, rs in restarts_out.items()},
+                "targets": TARGETS, "before": BEFORE}
+    finally:
+        stack.stop()
+
+
+def show(out: dict) -> None:
+    print(f"{out['jobs']} jobs on {out['cores']} cores; flood took {out['flood_s']} s "
+          f"({out['flood_503']} answers 503: recorded, the scheduler over 2 s behind)")
+    for when in ("during", "after"):
+        for kind, q in out[when].items():
+            print(f"  GET /v1/jobs {kind:<8} {when:<6}: p50 {q['p50_ms']} ms, p99 {q['p99_ms']} ms (n={q['n']})")
+    for how, r in out["restart"].items():
+        print(f"  restart after {how:<7}: /readyz {r['readyz_s']} s, every service ready {r['all_ready_s']} s")
+    print(f"  targets: p99 <= {TARGETS['list_p99_s'] * 1000:.0f} ms, restart <= {TARGETS['restart_s']} s; before: "
+          f"p99 {BEFORE['list_p99_during_s']} s during / {BEFORE['list_p99_after_s']} s after, restart "
+          f"{BEFORE['restart_clean_s']} s clean / {BEFORE['restart_sigkill_s']} s after SIGKILL")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=20_000)
+    ap.add_argument("--batch", type=int, default=20, help="jobs per POST (an array; 1: single jobs)")
+    ap.add_argument("--clients", type=int, default=8, help="concurrent submitters")
+    ap.add_argument("--rounds", type=int, default=100, help="samples of each page kind after the flood")
+    ap.add_argument("--restarts", type=int, default=1, help="restarts of each kind (their median; 3 for the doc)")
+    ap.add_argument("--json", nargs="?", const="-", help="print (or write to this file) the figures as JSON")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="backlog-") as tmp:
+        out = asyncio.run(run(args.jobs, args.batch, args.clients, args.rounds, args.restarts, Path(tmp)))
+    if args.json == "-":
+        print(json.dumps(out, indent=2))
+    else:
+        show(out)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

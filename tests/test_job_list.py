@@ -27,6 +27,7 @@ async def pages(client, between=None, **params) -> list[list[str]]:
     """Every page's ids, following X-Next-Cursor; ``between()`` runs after each page."""
     out, cursor = [], None
     while True:
+        assert len(out) < 100, f"no last page after 100: the cursor does not move ({cursor})"
         r = await client.get("/v1/jobs", params={**params, **({"cursor": cursor} if cursor else {})})
         assert r.status_code == 200, r.text
         out.append([j["id"] for j in r.json()])

@@ -241,7 +241,10 @@ async def _serve_one_process(run: Run, names: tuple[str, ...]) -> None:
         for t in background:
             t.cancel()
         await asyncio.gather(*background, return_exceptions=True)
-        await evlog.close()
+        try:
+            await asyncio.wait_for(evlog.close(), 10)
+        except TimeoutError:  # the server stops next anyway: a close that hangs must not keep the stack up
+            log.warning("event=bus_close_timeout seconds=10")
 
 
 def up(settings: Settings, split: bool = False) -> None:

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpuorch.runtime")
 
+STOP_TIMEOUT_S = 15  # the most a service may take to stop before it is cancelled (run_process)
+
 
 class NotCaughtUp(api_errors.Unavailable):
     """The service has not folded an event it waited for (its own append, the log's head) within the timeout."""
@@ -395,6 +397,14 @@ async def run_process(
     finally:
         for s in services:
             s.stop()
+        # a service stops within about a second (its last fetch, its timers, its snapshot); one that does not is
+        # named with where it waits, and cancelled, so that a stop never hangs the process
+        _, stuck = await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
+        for t in stuck:
+            where = " > ".join(f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno}" for f in t.get_stack(limit=8))
+            log.error("event=service_stop_stuck service=%s seconds=%d action=cancel where=%r", t.get_name(),
+                      STOP_TIMEOUT_S, where)
+            t.cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         watcher.cancel()
     taken = [r for r in results if isinstance(r, InstanceTaken)]

@@ -358,14 +358,19 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
     def estimated_start(job: JobRecord) -> float | None:
         """When a queued job should start: now if the cycle would place it, else its backfill reservation's start
         if it is the job next in line (None otherwise, or when it waits on jobs without a time limit). The
-        reservation is never logged, so the cycle is decided again here, on this instance's fold."""
+        reservation is never logged: the leader answers from its last cycle's plan; a standby, which runs no cycle,
+        decides one on its own fold."""
         if job.state != "queued":
             return None
-        now = time.time()
-        plan = decide(proj, scheduler.policy, now, scheduler.settings.half_life_s, scheduler.settings.reclaim_after_s)
-        if job.job_id in plan.placements:
-            return now
-        res = plan.reservation
+        if scheduler.leadership.leader.is_set():
+            res = scheduler.reservation  # what the leader placed is no longer queued: no cycle again per request
+        else:
+            now = time.time()
+            plan = decide(proj, scheduler.policy, now, scheduler.settings.half_life_s,
+                          scheduler.settings.reclaim_after_s)
+            if job.job_id in plan.placements:
+                return now
+            res = plan.reservation
         return res.start if res is not None and res.job_id == job.job_id and math.isfinite(res.start) else None
 
     def array_view(array_id: str, members: list[JobRecord]) -> dict[str, Any]:

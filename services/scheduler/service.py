@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.scheduler.api import router
-from services.scheduler.core import Plan
+from services.scheduler.core import Plan, Reservation
 from services.scheduler.decide import configured_policy, decide
 from services.scheduler.projection import SchedulerProjection
 from services.scheduler.reasons import worth_logging
@@ -48,6 +48,7 @@ class Scheduler:
         # a waiting job's reason: the last cycle's words (what the API shows), and when the log last took one
         # (only a change of kind is logged at once, else at most every reason_refresh_s: reasons are state)
         self.live_reasons: dict[str, str] = {}
+        self.reservation: Reservation | None = None  # the last cycle's backfill reservation: a job's estimated start
         self.reason_logged_at: dict[str, float] = {}
         self.svc = Service(
             "scheduler",
@@ -116,6 +117,7 @@ class Scheduler:
             except ConcurrencyConflict:
                 continue
         self.live_reasons = dict(plan.unschedulable)
+        self.reservation = plan.reservation
         for job_id, reason in plan.unschedulable.items():
             job = self.proj.jobs.get(job_id)
             if job is None or job.state != "queued":

@@ -76,6 +76,7 @@ class InstanceLock:
         self.key = f"{service}.{instance}"
         self.holder = holder_id()
         self.revision: int | None = None
+        self.stopping = False  # set before the keeper is cancelled: it ends even if a NATS call ate the cancel
 
     def _value(self) -> bytes:
         return json.dumps({"holder": self.holder}).encode()
@@ -121,8 +122,10 @@ class InstanceLock:
             await asyncio.sleep(0.5)
 
     async def keep(self) -> None:
-        """Renew every second until cancelled; raise InstanceTaken if another process took the name meanwhile."""
-        while True:
+        """Renew every second until cancelled; raise InstanceTaken if another process took the name meanwhile.
+        A cancellation that lands inside a NATS call may come out as that call's error: ``stopping`` (set by the
+        owner before it cancels) ends the loop all the same, instead of renewing forever."""
+        while not self.stopping:
             await asyncio.sleep(min(RENEW_S, self.ttl_s / 3))
             try:
                 self.revision = await self.kv.update(self.key, self._value(), last=self.revision)
@@ -131,6 +134,8 @@ class InstanceLock:
                 self.revision = None
                 await self.acquire()
             except Exception as e:  # noqa: BLE001 - NATS away: the next round tries again
+                if self.stopping:
+                    return
                 log.debug("instance=%s renew failed error=%r", self.key, e)
 
     async def release(self) -> None:

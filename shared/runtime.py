@@ -151,6 +151,7 @@ class Service:
             await self._serve(log_)
         finally:
             lost = keeper.exception() if keeper.done() and not keeper.cancelled() else None
+            lock.stopping = True
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
             await lock.release()

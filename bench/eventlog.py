@@ -23,6 +23,7 @@ from services.scheduler.projection import SchedulerProjection
 from shared.eventlog import EventLog, Undecodable
 from shared.natsd import NatsServer
 from shared.runtime import Service
+from shared.telemetry import setup_tracing
 
 ANCHORS = {"nats_bench_sync_pub": 35_700, "nats_bench_async_pub": 404_000}
 TARGETS = {"append_batched": 15_000, "replay": 30_000, "restart_snapshot_1m_s": 2.0}
@@ -171,6 +172,7 @@ if __name__ == "__main__":
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print the figures as JSON at the end")
     args = ap.parse_args()
+    setup_tracing("gpuorch-bench")  # off unless OTEL_TRACES_EXPORTER says otherwise: measure the overhead both ways
     result = asyncio.run(main(args.quick, args.runs))
     batched = result["append_batched_per_s[default_fsync]"]
     print(f"\nbatched append {batched:,}/s vs target {TARGETS['append_batched']:,} "

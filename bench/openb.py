@@ -1,6 +1,7 @@
 """The FGD paper's allocation benchmark (Weng et al., ATC '23) on openb traces, beside the published numbers.
 
     .venv/bin/python -m bench.openb [--nodes NODE_CSV] [--pods POD_CSV[,POD_CSV...]|all]
+        [--workloads all|NAME[,NAME...]]
         [--policies random,dotprod,gpupacking,gpuclustering,bestfit,fgd,fgd+] [--seeds 42-51]
         [--workers 2] [--json] [--markdown FILE] [--plot DIR]
 
@@ -10,7 +11,9 @@ arrive one at a time and are placed by the scheduler's own scorer (integer score
 ties to a per-seed random node order, memory a hard filter) or dropped; nothing
 departs. The allocation ratio at X % is the mean over the pods whose arrived load
 rounds to X, failed pods counted as arrived. Reported: mean and sd over the seeds.
-The traces are read from ../shared/data/openb next to the repository.
+The traces are read from ../shared/data/openb next to the repository; the workloads
+``multigpuNN`` that are not there (multigpu40, multigpu60) are derived from multigpu20
+by services/simulation/openb_variants.py.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from services.scheduler.placement import POLICIES
+from services.simulation.openb_variants import BASE, derived_share, with_multigpu_share
 from services.simulation.paper import run_paper
 from services.simulation.traces import OPENB_NODES, TraceError, load_openb_nodes, load_openb_pods, workload_name
 
@@ -59,6 +64,15 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A pod list to run: a CSV as is, or (``share`` set) with its multi-GPU pods resampled up to that share."""
+
+    name: str
+    pods: str
+    share: float | None = None
+
+
 def pod_lists(spec: str, data: Path = DATA) -> list[Path]:
     if spec == "all":
         if not data.is_dir():
@@ -67,17 +81,35 @@ def pod_lists(spec: str, data: Path = DATA) -> list[Path]:
     return [Path(p).expanduser() for p in spec.split(",") if p]
 
 
+def workloads(spec: str, data: Path = DATA) -> list[Workload]:
+    """Names of pod lists in ``data`` ('all': every one), or ``multigpuNN`` derived from multigpu20."""
+    out: list[Workload] = []
+    for name in (n for n in spec.split(",") if n):
+        if name == "all":
+            out += [Workload(workload_name(p), str(p)) for p in pod_lists("all", data)]
+        elif (path := data / f"openb_pod_list_{name}.csv").exists():
+            out.append(Workload(name, str(path)))
+        elif (share := derived_share(name)) is not None:
+            out.append(Workload(name, str(data / f"openb_pod_list_{BASE}.csv"), share))
+        else:
+            raise TraceError(f"no workload {name!r}: no {path}, and only multigpuNN can be derived")
+    return out
+
+
 @lru_cache(maxsize=8)
-def _load(node_csv: str, pod_csv: str) -> tuple:
-    return tuple(load_openb_nodes(Path(node_csv))), tuple(load_openb_pods(Path(pod_csv)))
+def _load(node_csv: str, work: Workload) -> tuple:
+    pods = load_openb_pods(Path(work.pods))
+    if work.share is not None:
+        pods = with_multigpu_share(pods, work.share)
+    return tuple(load_openb_nodes(Path(node_csv))), tuple(pods)
 
 
-def run_one(job: tuple[str, str, str, int, float]) -> tuple[str, str, int, dict[int, float], float]:
+def run_one(job: tuple[str, Workload, str, int, float]) -> tuple[Workload, str, int, dict[int, float], float]:
     """One policy x seed (in a worker process): the discretised curve 0..130 and the run's seconds."""
-    node_csv, pod_csv, policy, seed, tune = job
-    nodes, pods = _load(node_csv, pod_csv)
+    node_csv, work, policy, seed, tune = job
+    nodes, pods = _load(node_csv, work)
     r = run_paper(nodes, pods, policy, seed, tune)
-    return pod_csv, policy, seed, r.curve(round(tune * 100)), r.seconds
+    return work, policy, seed, r.curve(round(tune * 100)), r.seconds
 
 
 def summarise(curves: list[dict[int, float]]) -> dict[str, dict[str, float]]:
@@ -132,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=Path, default=None, help=f"node list (default: {OPENB_NODES} next to the pod list)")
     ap.add_argument("--pods", default=str(DATA / "openb_pod_list_default.csv"),
                     help="pod list CSV(s), comma-separated, or 'all' for every workload in ../shared/data/openb")
+    ap.add_argument("--workloads", default=None,
+                    help="instead of --pods: workload names in ../shared/data/openb ('all': every one), comma-separated; "
+                         "multigpuNN (e.g. multigpu40, multigpu60) is derived from multigpu20 if not there")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     ap.add_argument("--seeds", default="42-51")
     ap.add_argument("--load", type=float, default=1.3, help="resample up to this x GPU capacity (the paper: 1.3)")
@@ -146,16 +181,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICIES)}")
     seeds = parse_seeds(args.seeds)
     try:
-        pods = pod_lists(args.pods)
-        for p in pods:
-            if not p.exists():
-                raise TraceError(f"{p} does not exist" + ("" if DATA.is_dir() else f" (no shared data at {DATA})"))
+        if args.workloads is not None:
+            if not DATA.is_dir():
+                raise TraceError(f"no shared openb data at {DATA}: pass --nodes and --pods")
+            works = workloads(args.workloads)
+        else:
+            works = [Workload(workload_name(p), str(p)) for p in pod_lists(args.pods)]
+        for w in works:
+            if not Path(w.pods).exists():
+                raise TraceError(f"{w.pods} does not exist" + ("" if DATA.is_dir() else f" (no shared data at {DATA})"))
         jobs = []
-        for pod_csv in pods:
-            node_csv = args.nodes or pod_csv.parent / OPENB_NODES
+        for w in works:
+            node_csv = args.nodes or Path(w.pods).parent / OPENB_NODES
             if not node_csv.exists():
                 raise TraceError(f"no node list {node_csv}: pass --nodes")
-            jobs += [(str(node_csv), str(pod_csv), pol, s, args.load) for pol in policies for s in seeds]
+            jobs += [(str(node_csv), w, pol, s, args.load) for pol in policies for s in seeds]
         _load(*jobs[0][:2]) if jobs else None  # fail early on an unreadable trace
     except TraceError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -164,16 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     done: dict[str, dict[str, list]] = {}
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        for n, (pod_csv, policy, seed, curve, secs) in enumerate(pool.map(run_one, jobs), 1):
-            done.setdefault(pod_csv, {}).setdefault(policy, []).append((curve, secs))
-            print(f"[{n}/{len(jobs)}] {workload_name(Path(pod_csv))} {policy} seed {seed}: "
+        for n, (work, policy, seed, curve, secs) in enumerate(pool.map(run_one, jobs), 1):
+            done.setdefault(work.name, {}).setdefault(policy, []).append((curve, secs))
+            print(f"[{n}/{len(jobs)}] {work.name} {policy} seed {seed}: "
                   f"{curve.get(130, float('nan')):.2f} % at 130 ({secs:.1f} s)", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t0
 
     md = [f"Command: `python -m bench.openb {' '.join(argv if argv is not None else sys.argv[1:])}`",
           f"Wall time: {wall:.0f} s with {args.workers} worker(s).", ""]
-    for pod_csv, by_policy in done.items():
-        name = workload_name(Path(pod_csv))
+    for name, by_policy in done.items():
         results = {pol: summarise([c for c, _ in rows]) for pol, rows in by_policy.items()}
         seconds = {pol: sum(s for _, s in rows) for pol, rows in by_policy.items()}
         if args.json:

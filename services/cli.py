@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from shared import aio
 from shared.eventlog import EventLog, Record, Undecodable
 from shared.events import export_schemas
 from shared.natsauth import Credentials, credentials_from, write_client_files
@@ -134,6 +135,7 @@ def agent(
     node = node.model_copy(update={"address": address, "agent_url": f"http://{host}:{port}", "pool": pool,
                                    "hostname": node.hostname or node_id})
     stack.setup_logging(Settings().log_level)
+    stack.setup_tracing("gpuorch-agent", node_id)
     try:
         user, password = credentials_from(os.environ, nats_credentials)
     except (OSError, ValueError, KeyError) as e:
@@ -162,7 +164,8 @@ def gateway(
         fail(f"--service takes NAME=URL with NAME one of {', '.join(stack.SERVICES)}")
     settings = Settings(nats_url=nats, port=port, host=host, replicas=replicas)
     stack.setup_logging(settings.log_level)
-    asyncio.run(stack.serve_gateway(settings, nats, upstreams))
+    stack.setup_tracing("gpuorch-gateway")
+    aio.run(stack.serve_gateway(settings, nats, upstreams))
 
 
 # --- API client ----------------------------------------------------------------------

@@ -31,19 +31,24 @@ from typing import Any
 
 import typer
 from fastapi import Request, Response  # module level: the gateway's handlers are annotated with them
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from services.dashboard import dashboard_router
 from services.stack_procs import (AGENT_STOP_S, Child, Previous, StackFile, adopt_or_spawn_agents, agent_node,
                                   child_env, durable_of, node_ids, parse_nodes, start_or_adopt_nats, stop_children,
                                   stop_stale_services, supervise_nats)
+from shared import aio
 from shared.api_events import events_router
 from shared.api_tokens import tokens_router
 from shared.auth import Authenticator, authenticator_from_settings, ensure_admin_token
 from shared.eventlog import AGENT_STREAM, STREAM, EventLog
+from shared.metrics import merge_expositions
 from shared.natsauth import Credentials
 from shared.natsd import NatsServer, free_port, port_open
-from shared.runtime import Metrics, Service, StopSignals, build_app, http_server, run_process, serve_until_signal
+from shared.runtime import (Metrics, Service, StopSignals, build_app, fold_once, http_server, run_process,
+                            serve_until_signal)
 from shared.settings import Settings
-from shared.telemetry import setup_logging, setup_tracing
+from shared.telemetry import current_traceparent, setup_logging, setup_tracing
 
 log = logging.getLogger("gpuorch.stack")
 
@@ -189,6 +194,7 @@ class Run:
 
 
 SETTLE_S = 5.0
+METRICS_TIMEOUT_S = 2.0  # the most the gateway's /metrics waits for one service's
 
 
 async def settle(evlog: EventLog, durables: list[tuple[str, str]], timeout: float) -> bool:
@@ -218,6 +224,7 @@ async def _serve_one_process(run: Run, names: tuple[str, ...]) -> None:
                                    user=settings.nats_user, password=settings.nats_password)
     metrics = Metrics()
     services = [build_service(n, settings, metrics) for n in names]
+    fold_once(services)
     background = [asyncio.create_task(supervise_nats(run.server, run.nats_restarted))] if run.server else []
 
     async def ready() -> None:
@@ -235,7 +242,8 @@ async def _serve_one_process(run: Run, names: tuple[str, ...]) -> None:
     try:
         auth = await api_auth(settings, evlog, bootstrap=True)
         await run_process(services, evlog, settings.host, settings.port,
-                          [events_router(lambda: evlog), tokens_router(lambda: evlog)], started, signals, auth=auth,
+                          [events_router(lambda: evlog), tokens_router(lambda: evlog), dashboard_router(lambda: evlog)],
+                          started, signals, auth=auth,
                           before_stop=before_stop)
     finally:
         for t in background:
@@ -252,7 +260,7 @@ def up(settings: Settings, split: bool = False) -> None:
     the nats-server and agents a killed one left running."""
     signals = ProcessSignals().install()  # first of all: a Ctrl-C from here on stops the stack in order
     setup_logging(settings.log_level)
-    setup_tracing("gpuorch")
+    setup_tracing("gpuorch-gateway" if split else "gpuorch")
     if port_open(settings.port, settings.host):
         raise SystemExit(f"error: port {settings.port} is in use; pick another with --port")
     with data_dir_lock(settings.data_dir):
@@ -285,7 +293,7 @@ def _up_locked(settings: Settings, split: bool, signals: ProcessSignals) -> None
             if split:
                 _run_split(run)
             else:
-                asyncio.run(_serve_one_process(run, SERVICES))
+                aio.run(_serve_one_process(run, SERVICES))
     finally:
         agents = list(run.agents.values())  # those still running: a crash, or a Ctrl-C before serving
         if not agents and signals.requested:  # a Ctrl-C before the last stack's agents were adopted: they stop too
@@ -330,8 +338,8 @@ def _run_split(run: Run) -> None:
     )
     try:
         upstreams = {name: f"http://{settings.host}:{port}" for name, port in ports.items()}
-        asyncio.run(serve_gateway(settings, nats_url, upstreams, _supervise(run, ports, procs), run.signals,
-                                  lambda evlog: run.stop_agents(evlog, durable_of("scheduler", settings))))
+        aio.run(serve_gateway(settings, nats_url, upstreams, _supervise(run, ports, procs), run.signals,
+                              lambda evlog: run.stop_agents(evlog, durable_of("scheduler", settings))))
     finally:
         stop_processes(procs.values())
 
@@ -382,7 +390,8 @@ async def serve_gateway(
     evlog = await EventLog.connect(nats_url, replicas=settings.replicas, name="gpuorch-gateway",
                                    user=settings.nats_user, password=settings.nats_password)
     auth = await api_auth(settings, evlog, bootstrap=background is not None)  # `up --split` keeps the admin token
-    app = build_app([], [events_router(lambda: evlog), tokens_router(lambda: evlog)], auth=auth)
+    app = build_app([], [events_router(lambda: evlog), tokens_router(lambda: evlog), dashboard_router(lambda: evlog)],
+                    auth=auth)
     client = httpx.AsyncClient(timeout=30)
 
     async def upstream_status() -> list[dict[str, Any]]:
@@ -412,17 +421,40 @@ async def serve_gateway(
         response.status_code = 200 if all(status.values()) else 503
         return {"ready": all(status.values()), "services": status}
 
+    @app.get("/metrics", tags=["ops"], response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def metrics(request: Request) -> Response:
+        """Every service process's series, fetched at once (each within METRICS_TIMEOUT_S) and merged, with
+        gpuorch_gateway_upstream_up telling which answered."""
+        auth_header = {"authorization": request.headers.get("authorization", "")}
+
+        async def scrape(name: str, base: str) -> str:
+            try:
+                resp = await client.get(f"{base}/metrics", headers=auth_header, timeout=METRICS_TIMEOUT_S)
+                resp.raise_for_status()
+                return resp.text
+            except httpx.HTTPError as e:
+                log.warning("event=metrics_scrape_failed service=%s error=%r", name, e)
+                return ""
+
+        bodies = await asyncio.gather(*(scrape(n, b) for n, b in upstreams.items()))
+        up = ["# HELP gpuorch_gateway_upstream_up 1 if the service's /metrics answered this scrape",
+              "# TYPE gpuorch_gateway_upstream_up gauge"]
+        up += [f'gpuorch_gateway_upstream_up{{service="{n}"}} {1 if b else 0}' for n, b in zip(upstreams, bodies)]
+        return Response(merge_expositions([*bodies, "\n".join(up)]), media_type=CONTENT_TYPE_LATEST)
+
     @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
     async def forward(rest: str, request: Request) -> Response:
         name = owner(request.url.path)
         if name is None:
             return Response(json.dumps({"detail": f"no route for {request.url.path}"}), 404, media_type="application/json")
         url = f"{upstreams[name]}{request.url.path}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        if traceparent := current_traceparent():  # traced: the service's span is a child of this request's
+            headers["traceparent"] = traceparent
         try:
-            resp = await client.request(
-                request.method, url, params=request.query_params, content=await request.body(),
-                headers={k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS},
-            )
+            resp = await client.request(request.method, url, params=request.query_params, content=await request.body(),
+                                        headers=headers)
         except httpx.HTTPError as e:
             return Response(json.dumps({"detail": f"service {name} unavailable: {e!r}"}), 503, media_type="application/json")
         return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"),
@@ -462,8 +494,8 @@ def main_one(name: str) -> None:
         settings = Settings(nats_url=nats, port=port, host=host, snapshot_every=snapshot_every, replicas=replicas,
                             instance=instance)
         setup_logging(settings.log_level)
-        setup_tracing(f"gpuorch-{name}")
-        asyncio.run(_serve_alone(name, settings))
+        setup_tracing(f"gpuorch-{name}", settings.instance)
+        aio.run(_serve_alone(name, settings))
 
     app()
 

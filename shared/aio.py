@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop's event loop (a dependency): the control plane's processes spend much of their time
+    in the loop's own machinery (sockets, callbacks, timers), which uvloop runs in C."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:

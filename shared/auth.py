@@ -83,7 +83,27 @@ ROUTE_ROLES: dict[tuple[str, str], str] = {
     ("GET", "/v1/tokens"): "admin",
     ("DELETE", "/v1/tokens/{token_id}"): "admin",
     **{(m, "/v1/{rest:path}"): FORWARDED for m in ("GET", "POST", "PUT", "DELETE", "PATCH")},
+    # the dashboard (services/dashboard): pages read the API as their caller; the events page needs what
+    # /v1/events/stream needs
+    ("GET", "/"): "user",
+    ("GET", "/ui/queues"): "user",
+    ("GET", "/ui/jobs"): "user",
+    ("GET", "/ui/jobs/{job_id}"): "user",
+    ("GET", "/ui/jobs/{job_id}/logs"): "user",
+    ("GET", "/ui/events"): "operator",
+    ("GET", "/ui/events/stream"): "operator",
+    ("GET", "/ui/static/{name}"): PUBLIC,
+    ("GET", "/ui/login"): PUBLIC,
+    ("POST", "/ui/login"): PUBLIC,  # checks the token it is given
+    ("POST", "/ui/logout"): PUBLIC,
 }
+
+# The browser's session: the dashboard's login form keeps the caller's token in this HttpOnly, SameSite=Strict
+# cookie, taken in place of the Authorization header on these GET routes only (reads: a forged cross-site
+# request can change nothing, and the API's own routes never take the cookie).
+SESSION_COOKIE = "gpuorch_session"
+COOKIE_ROUTES: frozenset[tuple[str, str]] = frozenset(
+    (m, p) for (m, p), need in ROUTE_ROLES.items() if m == "GET" and (p == "/" or p.startswith("/ui/")) and need != PUBLIC)
 
 
 class Unauthenticated(Exception):
@@ -356,8 +376,11 @@ async def authorize(request: Request) -> None:
     auth: Authenticator | None = request.app.state.auth
     if auth is None:
         raise HTTPException(403, f"{request.method} {path} is not served by this process")
+    authorization = request.headers.get("authorization")
+    if authorization is None and (request.method, path) in COOKIE_ROUTES and request.cookies.get(SESSION_COOKIE):
+        authorization = f"Bearer {request.cookies[SESSION_COOKIE]}"
     try:
-        principal = await auth.principal(request.headers.get("authorization"))
+        principal = await auth.principal(authorization)
     except Unauthenticated as e:
         raise HTTPException(401, str(e), headers={"WWW-Authenticate": 'Bearer realm="gpuorch"'}) from None
     if not principal.at_least(need):

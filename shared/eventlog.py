@@ -16,8 +16,9 @@ import json
 import logging
 import os
 import re
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import nats
@@ -31,6 +32,7 @@ from pydantic_core import from_json
 
 from shared.aio import wait_event
 from shared.events import SUBJECT_PREFIX, Envelope, MalformedEvent, UnknownEventType, decode, subject_token
+from shared.telemetry import in_trace, publishing, tracing_on
 
 log = logging.getLogger("gpuorch.eventlog")
 
@@ -157,6 +159,8 @@ class EventLog:
         self.replicas = replicas
         self.delete_temporary = True  # replays delete their temporary consumer when done
         self._sinks: dict[int, Callable[[bytes, bytes, bytes], None]] = {}  # subscription id -> raw (subject, reply, body)
+        # the services of one process each consume every event: the first decodes it, the others reuse that
+        self._decoded: OrderedDict[int, tuple[bytes, Record]] = OrderedDict()  # seq -> (body, record), latest last
         process_msg = nc._process_msg
 
         async def _process_msg(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
@@ -331,8 +335,18 @@ class EventLog:
 
         A lost acknowledgement (timeout, reconnect) is retried until ``timeout``: the
         message id makes the retry idempotent. ``subject``: another stream's subject
-        (an agent's report) instead of the event's own in the log.
+        (an agent's report) instead of the event's own in the log. Traced, the event
+        carries its append's span (a child of the event's own traceparent, else of the
+        current span): its consumers continue that trace.
         """
+        if tracing_on():
+            with publishing(subject or env.data.nats_subject, env.traceparent, message_id=env.id) as traceparent:
+                return await self._append(replace(env, traceparent=traceparent) if traceparent else env,
+                                          expected_last_subject_seq, timeout, subject)
+        return await self._append(env, expected_last_subject_seq, timeout, subject)
+
+    async def _append(self, env: Envelope, expected_last_subject_seq: int | None, timeout: float,
+                      subject: str | None) -> int:
         headers = env.headers()
         if expected_last_subject_seq is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_last_subject_seq)
@@ -359,9 +373,31 @@ class EventLog:
         Every publish carries its own reply subject under one inbox, and one raw
         subscription collects the acknowledgements (nats-py's publish_async costs a
         future and a semaphore round per message). Publishes whose acknowledgement is
-        lost are sent again: same ids, so stored once.
+        lost are sent again: same ids, so stored once. Traced: one append span per trace
+        context among the events (a batch of jobs, each in its own trace: one per job).
         """
         envs = list(envs)
+        if in_trace() or (tracing_on() and any(env.traceparent for env in envs)):
+            return await self._append_many_traced(envs, timeout)
+        return await self._append_many(envs, timeout)
+
+    async def _append_many_traced(self, envs: list[Envelope], timeout: float) -> list[int]:
+        groups: dict[str | None, list[int]] = {None: []}  # the events without a context first: the current span's
+        for i, env in enumerate(envs):
+            groups.setdefault(env.traceparent, []).append(i)
+        stamped = list(envs)
+        with contextlib.ExitStack() as spans:
+            for parent, members in groups.items():
+                if not members:
+                    continue
+                first = envs[members[0]]
+                traceparent = spans.enter_context(publishing(first.data.nats_subject, parent, len(members),
+                                                             first.id if len(members) == 1 else None))
+                for i in members if traceparent else ():
+                    stamped[i] = replace(envs[i], traceparent=traceparent)
+            return await self._append_many(stamped, timeout)
+
+    async def _append_many(self, envs: list[Envelope], timeout: float) -> list[int]:
         seqs: list[int] = [0] * len(envs)
         errors: dict[int, APIError] = {}
         prefix = self.nc.new_inbox()
@@ -591,7 +627,7 @@ class EventLog:
                     continue
                 for msg in msgs:
                     try:
-                        await handler(_decode_msg(msg) if stream == STREAM else None, msg)
+                        await handler(self._decode_shared(msg) if stream == STREAM else None, msg)
                     except Exception:  # noqa: BLE001 - one message never stops the consumer: unacked, it comes again
                         log.exception("consumer=%s handler failed seq=%d", durable, msg.metadata.sequence.stream)
         finally:  # also when cancelled: a subscription left behind would hold up the connection's drain
@@ -600,6 +636,19 @@ class EventLog:
                     await sub.unsubscribe()
                 except Exception:  # noqa: BLE001
                     pass
+
+    def _decode_shared(self, msg: Msg, keep: int = 8192) -> Record:
+        """Decode a consumed event once per connection: the same sequence with the same body is the same record
+        (records are immutable), whichever consumer of this process reads it first."""
+        seq = msg.metadata.sequence.stream
+        hit = self._decoded.get(seq)
+        if hit is not None and hit[0] == msg.data:
+            return hit[1]
+        rec = _decode_body(msg.data, seq, msg.subject)
+        self._decoded[seq] = (msg.data, rec)
+        if len(self._decoded) > keep:
+            self._decoded.popitem(last=False)
+        return rec
 
     async def dead_letter(self, msg: Msg, service: str, reason: str) -> None:
         """Copy a message to ``gpuorch.dlq.<service>.<aggregate>.<id>`` with the reason, then terminate it."""

@@ -140,14 +140,19 @@ class Projection:
     def load(self, state: dict[str, Any]) -> None:
         pass
 
-    def digest(self) -> str:
-        """sha256 of the canonical state; cached per position, since a poll of /v1/services should not refold."""
-        key = (self.seq, self.applied, self.invalid_count)
-        if getattr(self, "_digest_key", None) != key:
-            body = {"applied": self.applied, "invalid": self.invalid_count, "state": self.state()}
-            self._digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
-            self._digest_key = key
-        return self._digest
+    def digest(self, keys: frozenset[str] | None = None) -> str:
+        """sha256 of the canonical state (only its ``keys``, for one service's view of a projection that several
+        share: shared.runtime.fold_once); cached per position, since a poll of /v1/services should not refold."""
+        key = (self.seq, self.applied, self.invalid_count, keys)
+        cache = self.__dict__.setdefault("_digests", {})
+        if key not in cache:
+            state = self.state()
+            body = {"applied": self.applied, "invalid": self.invalid_count,
+                    "state": state if keys is None else {k: v for k, v in state.items() if k in keys}}
+            if len(cache) > 16:
+                cache.clear()
+            cache[key] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+        return cache[key]
 
     def snapshot(self) -> bytes:
         return to_json(
@@ -174,9 +179,10 @@ class Projection:
                    if "SNAPSHOT_VERSION" in k.__dict__}
         return {**classes, "events": events_generation()}
 
-    def restore(self, blob: bytes) -> None:
-        """Load a snapshot. SnapshotUnusable, and this projection unchanged, if it is of another version (one
-        written before snapshots had versions too) or cannot be read."""
+    def loaded(self, blob: bytes) -> "Projection":
+        """A new projection of this class holding a snapshot; SnapshotUnusable if it is of another version (one
+        written before snapshots had versions too) or cannot be read. Reads nothing of this one's state, so it may
+        run in a thread while the event loop reads this one."""
         try:
             doc = from_json(blob)
         except ValueError as e:
@@ -193,8 +199,16 @@ class Projection:
             fresh._restore(doc)
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # a pydantic ValidationError is a ValueError
             raise SnapshotUnusable(f"unreadable state ({type(e).__name__}: {e})") from None
+        return fresh
+
+    def restore(self, blob: bytes) -> None:
+        """Load a snapshot (``loaded``) into this projection; SnapshotUnusable leaves it unchanged."""
+        self.adopt(self.loaded(blob))
+
+    def adopt(self, other: "Projection") -> None:
+        """Become ``other`` (a projection of this class loaded elsewhere, e.g. in a thread)."""
         self.__dict__.clear()
-        self.__dict__.update(fresh.__dict__)
+        self.__dict__.update(other.__dict__)
 
     def _restore(self, doc: dict[str, Any]) -> None:
         for key, kind in (("seq", int), ("applied", int), ("invalid_count", int), ("invalid", list), ("epochs", dict),

@@ -68,9 +68,72 @@ class Metrics:
         self.ready = Gauge("gpuorch_ready", "1 once the service has caught up with the log", ["service"], registry=r)
         self.replay_seconds = Gauge("gpuorch_replay_seconds", "Seconds the start-up replay took", ["service"], registry=r)
         self.cycle_seconds = Histogram("gpuorch_cycle_seconds", "Duration of a decision cycle", ["service"], registry=r)
+        self.lag = Gauge("gpuorch_projection_lag_events", "Events in the log not folded yet: the stream's last sequence "
+                         "minus the projection's, at scrape time", ["service"], registry=r)
+        self._owned: dict[str, Any] = {}
+
+    def own(self, key: str, make: Callable[[CollectorRegistry], Any]) -> Any:
+        """A service's own metrics or collector on this registry, made once per process: two replicas of a service in
+        one process (tests) share them rather than registering the same series twice."""
+        if key not in self._owned:
+            self._owned[key] = make(self.registry)
+        return self._owned[key]
+
+    async def update_lag(self, services: "list[Service]", timeout: float = 1.0) -> None:
+        """Each service's lag behind the log's head (one stream-info request per event log); left as it was when the
+        log does not answer within ``timeout``."""
+        heads: dict[int, int | None] = {}
+        for s in services:
+            if s.log is None:
+                continue
+            if id(s.log) not in heads:
+                try:
+                    heads[id(s.log)] = await asyncio.wait_for(s.log.last_seq(), timeout)
+                except Exception as e:  # noqa: BLE001 - NATS away: /readyz says so; the scrape still answers
+                    log.debug("event=lag_unknown service=%s error=%r", s.name, e)
+                    heads[id(s.log)] = None
+            head = heads[id(s.log)]
+            if head is not None:
+                self.lag.labels(s.name).set(max(0, head - s.projection.seq))
 
 
 Reaction = Callable[[Envelope], Awaitable[None]]
+
+
+class Fold:
+    """A projection and the services of one process that read it (``fold_once``): each event is folded once,
+    by whichever of their consumers delivers it first; to the others it is already folded, and they run their
+    reactions only, as for a redelivery. Restored and replayed once, by the first service to start; snapshotted
+    under one name."""
+
+    def __init__(self, projection: Projection, snapshot_name: str) -> None:
+        self.projection = projection
+        self.snapshot_name = snapshot_name
+        self.services: list[Service] = []
+        self.starting = asyncio.Lock()  # one service restores and replays; the others wait, then replay the rest
+        self.restored = False
+        self.since_snapshot = 0  # events folded since the last snapshot
+        self.running = 0  # services consuming: the last one to stop takes the snapshot
+
+
+def fold_once(services: list["Service"]) -> None:
+    """Let the services of one process share one projection: an instance of every one of their projection
+    classes (cooperative subclasses of one base, combined by multiple inheritance), folded once per event. Each
+    service's digest stays that of its own class's state. Call before they run."""
+    if len(services) < 2:
+        return
+    classes = list(dict.fromkeys(type(s.projection) for s in services))
+    leaves = tuple(c for c in classes if not any(o is not c and issubclass(o, c) for o in classes))
+    try:
+        kind = leaves[0] if len(leaves) == 1 else type("ProcessProjection", leaves, {"name": "process"})
+    except TypeError as e:  # no consistent method order: these projections cannot be one
+        log.warning("fold_once=off services=%s reason=%r", ",".join(s.name for s in services), str(e))
+        return
+    fold = Fold(kind(), "+".join(sorted(s.name for s in services)))
+    for s in services:
+        s.state_keys = frozenset(type(s.projection)().state()) if kind is not type(s.projection) else None
+        s.fold = fold
+        fold.services.append(s)
 
 
 class SnapshotStore:
@@ -118,7 +181,9 @@ class Service:
         self.snapshots = snapshots
         # each replica has its own durable consumer: replicas sharing one would split the stream between them
         self.instance = re.sub(r"[^A-Za-z0-9_-]", "_", instance if instance is not None else socket.gethostname())
-        self.projection = projection
+        self.fold = Fold(projection, name)
+        self.fold.services.append(self)
+        self.state_keys: frozenset[str] | None = None  # this service's part of a shared projection's state
         self.reaction = reaction
         self.timers = timers or []
         self.router_factory = router
@@ -127,14 +192,20 @@ class Service:
         self.log: EventLog | None = None
         self.metrics = metrics or Metrics()
         m = self.metrics  # the hot path's labelled series, looked up once
-        self._series = (m.applied.labels(name), m.seq.labels(name), m.invalid.labels(name))
+        self._applied = m.applied.labels(name)
+        # read at scrape time: the projection may be folded by another service of the process (fold_once)
+        m.seq.labels(name).set_function(lambda: self.projection.seq)
+        m.invalid.labels(name).set_function(lambda: self.projection.invalid_count)
         self.ready = asyncio.Event()
         self.stop_event = asyncio.Event()
         self.changed = asyncio.Event()  # set on every folded event: timers wait on it to debounce
         self.catch_up_timeout_s = 2.0  # how long caught_up waits for the fold by default
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of caught_up calls: (seq, tie, wake)
         self._tie = itertools.count()
-        self._since_snapshot = 0
+
+    @property
+    def projection(self) -> Projection:
+        return self.fold.projection
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -162,20 +233,18 @@ class Service:
         self.log = log_
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        restored = await (self.snapshots or log_).load_snapshot(self.name)
-        if restored is not None:
-            try:
-                self.projection.restore(restored[1])
-            except SnapshotUnusable as e:  # a snapshot is a shortcut: the log alone rebuilds the same state
-                log.warning("service=%s snapshot ignored reason=%r action=full_replay", self.name, str(e))
-                restored = None
-        async for rec in log_.replay(self.projection.seq + 1):
-            self._fold(rec)
+        restored = False
+        async with self.fold.starting:
+            if not self.fold.restored:
+                self.fold.restored = restored = await self._restore(log_)
+            async for rec in log_.replay(self.projection.seq + 1):
+                self._fold(rec)
         self.metrics.replay_seconds.labels(self.name).set(loop.time() - t0)
-        log.info("service=%s ready seq=%d replay_s=%.3f restored=%s", self.name, self.projection.seq, loop.time() - t0, restored is not None)
+        log.info("service=%s ready seq=%d replay_s=%.3f restored=%s", self.name, self.projection.seq, loop.time() - t0, restored)
         self.ready.set()
         self.metrics.ready.labels(self.name).set(1)
         timers = [asyncio.create_task(t(self), name=f"{self.name}-timer") for t in self.timers]
+        self.fold.running += 1
         try:
             await log_.consume(
                 f"svc-{self.name}-{self.instance}" if self.instance else f"svc-{self.name}",
@@ -191,7 +260,22 @@ class Service:
                 _, stuck = await asyncio.wait(timers, timeout=5)
                 for t in stuck:
                     log.error("service=%s timer=%s did not stop within 5 s", self.name, t.get_coro())
-            await self.save_snapshot()
+            self.fold.running -= 1
+            if not self.fold.running:
+                await self.save_snapshot()
+
+    async def _restore(self, log_: EventLog) -> bool:
+        """Load the latest snapshot, parsed in a thread (the event loop keeps answering); False if there is none
+        this code can read."""
+        found = await (self.snapshots or log_).load_snapshot(self.fold.snapshot_name)
+        if found is None:
+            return False
+        try:
+            self.projection.adopt(await asyncio.to_thread(self.projection.loaded, found[1]))
+        except SnapshotUnusable as e:  # a snapshot is a shortcut: the log alone rebuilds the same state
+            log.warning("service=%s snapshot ignored reason=%r action=full_replay", self.name, str(e))
+            return False
+        return True
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -199,9 +283,10 @@ class Service:
     async def save_snapshot(self) -> None:
         if self.log is None or self.projection.seq == 0:
             return
+        self.fold.since_snapshot = 0
         try:
-            await (self.snapshots or self.log).save_snapshot(self.name, self.projection.seq, self.projection.snapshot())
-            self._since_snapshot = 0
+            await (self.snapshots or self.log).save_snapshot(self.fold.snapshot_name, self.projection.seq,
+                                                             self.projection.snapshot())
         except Exception as e:  # noqa: BLE001 - a failed snapshot costs replay time, not correctness
             log.warning("service=%s snapshot failed error=%r", self.name, e)
 
@@ -215,25 +300,31 @@ class Service:
                 reason = "unknown_type" if rec.unknown_type else "malformed"
                 self.metrics.skipped.labels(self.name, reason).inc()
                 log.warning("service=%s skipped seq=%d reason=%r", self.name, rec.seq, rec.reason)
-                self._wake()
+                self._folded(changed=False)
             return None
         if rec.seq and rec.seq <= self.projection.seq:  # a redelivery: its reaction runs again, unless it was rejected
             return None if self.projection.was_rejected(rec.seq) else rec
         valid = self.projection.apply(rec)
-        applied, seq, invalid = self._series  # a rejected event is folded too: the position moved past it
-        applied.inc()
-        seq.set(self.projection.seq)
-        invalid.set(self.projection.invalid_count)
-        self._since_snapshot += 1
-        self.changed.set()
-        self._wake()
+        self._applied.inc()  # a rejected event is folded too: the position moved past it
+        self.fold.since_snapshot += 1
+        self._folded(changed=True)
         return rec if valid else None
+
+    def _folded(self, changed: bool) -> None:
+        """Tell every service reading this projection that it moved: its timers, its caught_up calls."""
+        for s in self.fold.services:
+            if changed:
+                s.changed.set()
+            s._wake()
 
     async def _on_message(self, rec: Record, msg: Msg) -> None:
         env = self._fold(rec)
         if env is not None and self.reaction is not None:
+            from shared.telemetry import processing  # the reaction runs in the event's trace: what it appends too
+
             try:
-                await self.reaction(env)
+                with processing(msg.subject, env.traceparent, self.name):
+                    await self.reaction(env)
             except Exception as e:  # noqa: BLE001 - any reaction failure is retried, then dead-lettered
                 self.metrics.reaction_errors.labels(self.name).inc()
                 attempts = msg.metadata.num_delivered
@@ -244,7 +335,7 @@ class Service:
                     await msg.nak(delay=min(0.1 * 2**attempts, 5))
                 return
         await msg.ack()
-        if self._since_snapshot >= self.snapshot_every:
+        if self.fold.since_snapshot >= self.snapshot_every:
             await self.save_snapshot()
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
@@ -302,7 +393,7 @@ class Service:
             "ready": self.ready.is_set(),
             "seq": self.projection.seq,
             "applied": self.projection.applied,
-            "digest": self.projection.digest(),
+            "digest": self.projection.digest(self.state_keys),
             "invalid_transitions": self.projection.invalid_count,
         }
 
@@ -319,15 +410,17 @@ def ops_router(services: list[Service]) -> APIRouter:
     def whoami(p: Annotated[Principal, Depends(caller)]) -> dict[str, Any]:
         return {"user": p.user, "groups": list(p.groups), "role": p.role, "via": p.via}
 
+    if not services:  # a gateway answers readiness and metrics for the processes behind it
+        return r
+
     @r.get("/metrics", tags=["ops"], response_class=PlainTextResponse,
            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
-    def metrics() -> Response:
+    async def metrics() -> Response:
+        for m in {id(s.metrics): s.metrics for s in services}.values():
+            await m.update_lag([s for s in services if s.metrics is m])
         registries = {id(s.metrics.registry): s.metrics.registry for s in services}
         body = b"".join(generate_latest(reg) for reg in registries.values())
         return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    if not services:  # a gateway answers readiness for the processes behind it
-        return r
 
     @r.get("/readyz", tags=["ops"], responses={503: {"description": "not caught up with the log yet, or the log is unreachable"}})
     def readyz(response: Response) -> dict[str, Any]:
@@ -352,7 +445,8 @@ def build_app(services: list[Service], extra_routers: list[APIRouter] = (), *, a
     token store)."""
     from shared.settings import Settings
 
-    app = FastAPI(title="gpuorch", version="0.1.0", dependencies=[Depends(authorize)])
+    app = FastAPI(title="gpuorch", version="0.1.0", dependencies=[Depends(authorize)], docs_url=None, redoc_url=None)
+    offline_docs(app)
     api_errors.install(app, Settings().max_body_bytes if max_body_bytes is None else max_body_bytes)
     app.state.auth = auth
     app.include_router(ops_router(services))
@@ -362,6 +456,26 @@ def build_app(services: list[Service], extra_routers: list[APIRouter] = (), *, a
     for r in extra_routers:
         app.include_router(r)
     return app
+
+
+def offline_docs(app: FastAPI) -> None:
+    """/docs: Swagger UI with its files served here, from the fastapi-offline package (FastAPI's default loads them
+    from a CDN; /redoc is left out: ReDoc's page still fetches a logo from its CDN). Plain Starlette routes,
+    outside the role table like /openapi.json: they describe the API, nothing more."""
+    from importlib.resources import files
+
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from starlette.staticfiles import StaticFiles
+
+    app.mount("/docs/assets", StaticFiles(directory=str(files("fastapi_offline") / "static")), name="docs-assets")
+
+    async def docs(request: Any) -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="gpuorch API",
+                                   swagger_js_url="/docs/assets/swagger-ui-bundle.js",
+                                   swagger_css_url="/docs/assets/swagger-ui.css",
+                                   swagger_favicon_url="/docs/assets/favicon.png")
+
+    app.add_route("/docs", docs, include_in_schema=False)
 
 
 async def run_process(

@@ -82,7 +82,7 @@ async def in_process_stack(log: EventLog, build: dict[str, Callable] | None = No
     from services.stack import SERVICES, admin_token_path, api_auth, build_service
     from shared.api_events import events_router
     from shared.api_tokens import tokens_router
-    from shared.runtime import Metrics, build_app
+    from shared.runtime import Metrics, build_app, fold_once
     from shared.settings import Settings
 
     import tempfile
@@ -91,6 +91,7 @@ async def in_process_stack(log: EventLog, build: dict[str, Callable] | None = No
     settings = Settings(**{**defaults, **settings_kw})
     metrics = Metrics()
     services = {n: (build or {}).get(n, lambda s, m, n=n: build_service(n, s, m))(settings, metrics) for n in SERVICES}
+    fold_once(list(services.values()))  # as `gpuorch up` does
     auth = await api_auth(settings, log, bootstrap=True)
     app = build_app(list(services.values()), [events_router(lambda: log), tokens_router(lambda: log)], auth=auth,
                     max_body_bytes=settings.max_body_bytes)

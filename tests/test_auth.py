@@ -78,8 +78,14 @@ def test_the_role_table_names_no_route_that_does_not_exist():
     from services.stack import SERVICES, build_service
 
     services = [build_service(n, Settings(data_dir=__import__("pathlib").Path("/tmp/gpuorch-route-table"))) for n in SERVICES]
-    app = build_app(services, [events_router(lambda: None), tokens_router(lambda: None)], auth=None)
+    from fastapi.routing import APIRoute
+
+    from services.dashboard import dashboard_router
+
+    app = build_app(services, [events_router(lambda: None), tokens_router(lambda: None), dashboard_router(lambda: None)],
+                    auth=None)
     known |= set(api_routes(app))
+    known |= {(m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods}  # the dashboard's pages
     assert set(ROUTE_ROLES) <= known, set(ROUTE_ROLES) - known
 
 

@@ -11,6 +11,7 @@ another writer is refused and decided again on the next tick.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from services.health import decisions, rules
 from services.health.decisions import Decision
 from services.health.api import router
 from services.health.heartbeats import Heartbeats
+from services.health.metrics import DcgmCollector, GpuTelemetry
 from services.health.projection import SOURCE, HealthProjection
 from services.health.rules import Fault, GpuWatch, HealthPolicy
 from shared import events as ev
@@ -34,6 +36,7 @@ from shared.leadership import Leadership
 from shared.aio import wait_event
 from shared.runtime import Metrics, NotCaughtUp, Service
 from shared.settings import Settings
+from shared.telemetry import JobTraces
 
 log = logging.getLogger("gpuorch.health")
 
@@ -56,6 +59,8 @@ class Health:
         self.kv: Any = None
         self.gpus: dict[str, GpuWatch] = {}  # gpu uuid -> what the telemetry rules remember
         self.bad_seen: dict[str, float] = {}  # node -> last time telemetry still looked unhealthy
+        self.traces = JobTraces()  # a decision about a job (preempt, requeue, time limit) continues the job's trace
+        self.last_samples = GpuTelemetry()  # what /metrics shows under dcgm-exporter's names
         self.svc = Service(
             "health",
             HealthProjection(),
@@ -66,6 +71,8 @@ class Health:
             metrics=metrics,
             instance=settings.instance,
         )
+        dcgm = DcgmCollector(lambda: self.proj, self.last_samples, self.heartbeats.clock)
+        self.svc.metrics.own("health-dcgm", lambda r: r.register(dcgm))
 
     @property
     def proj(self) -> HealthProjection:
@@ -78,6 +85,7 @@ class Health:
     async def react(self, env: Envelope) -> None:
         if env.data.TYPE.startswith(RELEVANT):
             self.wake.set()
+        self.traces.note(env)
 
     # --- inputs: heartbeats and telemetry -------------------------------------------------
 
@@ -140,12 +148,14 @@ class Health:
             action = doc.get("recovery_action")
             fault = rules.xid_fault(node_id, str(doc.get("gpu_uuid") or ""), int(doc["xid"]), t,
                                     int(action) if action is not None else None)
+            self.last_samples.xid(str(doc.get("gpu_uuid") or ""), int(doc["xid"]))
             if fault is None:
                 log.info("event=xid_ignored node=%s gpu=%s xid=%s", node_id, doc.get("gpu_uuid"), doc["xid"])
             faults = [fault] if fault else []
         hot = False
         for g in doc.get("gpus") or ():
             uuid = str(g.get("uuid", ""))
+            self.last_samples.sample(node_id, g, self.heartbeats.clock())
             temp, ecc = g.get("temperature_c"), g.get("ecc_uncorrected")
             self.gpus[uuid], found = rules.assess_sample(self.gpus.get(uuid, GpuWatch()), node_id, uuid, t, temp, ecc, self.policy)
             faults += found
@@ -222,8 +232,10 @@ class Health:
         """Append one decision as the leader; None if the aggregate moved on since it was read."""
         assert self.svc.log is not None
         env = Envelope(event, id=event_id, source=SOURCE, epoch=self.leadership.epoch)
+        job_id = getattr(event, "job_id", None)
         try:
-            return await self.svc.log.append(env, expected_last_subject_seq)
+            with self.traces.span(f"health.{event.TYPE}", job_id) if job_id else contextlib.nullcontext():
+                return await self.svc.log.append(env, expected_last_subject_seq)
         except ConcurrencyConflict:
             log.info("event=decision_conflict type=%s subject=%s action=redecide", event.TYPE, env.subject)
             self.wake.set()

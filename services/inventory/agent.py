@@ -52,6 +52,7 @@ from shared.events import Envelope
 from shared.model import NodeInfo
 from shared.natsauth import agent_inbox, control_subject, report_subject, telemetry_subject
 from shared.runtime import Metrics, Service, SnapshotStore
+from shared.telemetry import current_traceparent, span
 
 log = logging.getLogger("gpuorch.agent")
 LAUNCHER = str(Path(__file__).with_name("launcher.py"))
@@ -76,6 +77,7 @@ class Task:
     kill_at: float | None = None
     killed: bool = False
     reporting: bool = False  # its exit is in the outbox
+    traceparent: str | None = None  # its start's span: its exit continues its job's trace
 
     @property
     def key(self) -> str:
@@ -130,8 +132,10 @@ class Agent:
 
     def report(self, event: ev.Event, event_id: str | None = None, on_acked: Callable[[], None] | None = None) -> None:
         """Report to inventory, which appends it to the log (an agent may not): registration and task reports.
-        Queued in the outbox, sent in order until acknowledged; ``on_acked`` runs then."""
-        env = Envelope(event, source=f"/gpuorch/agent/{self.node.node_id}", **({"id": event_id} if event_id else {}))
+        Queued in the outbox, sent in order until acknowledged; ``on_acked`` runs then. It carries the current trace
+        context (sent later, from the outbox's timer)."""
+        env = Envelope(event, source=f"/gpuorch/agent/{self.node.node_id}", traceparent=current_traceparent(),
+                       **({"id": event_id} if event_id else {}))
         self.outbox.put(Report(env, report_subject(self.node.node_id, event.TYPE.split(".", 1)[1]), on_acked))
 
     async def deliver_reports(self, svc: Service) -> None:
@@ -219,10 +223,12 @@ class Agent:
         if isinstance(e, ev.JobPlaced):
             mine = [p for p in e.placements if p.node_id == self.node.node_id]
             for p in mine:
-                try:
-                    await self.start(e, env.seq, p.task)
-                except Exception as exc:  # noqa: BLE001 - a task that cannot start fails its job, never its agent
-                    self.cannot_start(e.job_id, env.seq, p.task, f"the agent could not start it: {exc}")
+                with span("agent.task.start", attributes={"gpuorch.job.id": e.job_id, "gpuorch.task": p.task,
+                                                          "gpuorch.attempt": env.seq, "gpuorch.node.id": p.node_id}):
+                    try:
+                        await self.start(e, env.seq, p.task)
+                    except Exception as exc:  # noqa: BLE001 - a task that cannot start fails its job, never its agent
+                        self.cannot_start(e.job_id, env.seq, p.task, f"the agent could not start it: {exc}")
         elif isinstance(e, (ev.JobPreempting, ev.JobTimedOut)):
             self.stop(e.job_id, e.grace_s)
         elif isinstance(e, (ev.JobCancelled, ev.JobFailed, ev.JobRequeued)):
@@ -276,7 +282,7 @@ class Agent:
             os.close(err)
         (d / "pid").write_text(str(proc.pid))
         (d / "started").write_text(str(time.time()))
-        t = Task(placed.job_id, attempt, task, d, proc.pid, proc)
+        t = Task(placed.job_id, attempt, task, d, proc.pid, proc, traceparent=current_traceparent())
         self.tasks[t.key] = t
         log.info("event=task_started job=%s task=%d attempt=%d pid=%d user=%s uid=%d", placed.job_id, task, attempt,
                  proc.pid, user.name, user.uid)
@@ -408,7 +414,10 @@ class Agent:
         t.reporting = True
         exited = ev.JobTaskExited(job_id=t.job_id, task=t.task, node_id=self.node.node_id, code=code, signal=sig,
                                   reason=reason, attempt=t.attempt, interrupted=was_interrupted)
-        self.report(exited, f"{t.key}-{self.node.node_id}-exited", acked)
+        with span("agent.task.exit", t.traceparent, attributes={
+                "gpuorch.job.id": t.job_id, "gpuorch.task": t.task, "gpuorch.attempt": t.attempt,
+                "gpuorch.node.id": self.node.node_id, "process.exit.code": -1 if code is None else code}):
+            self.report(exited, f"{t.key}-{self.node.node_id}-exited", acked)
 
     # --- the control plane's requests --------------------------------------------------------
 

@@ -35,6 +35,7 @@ class GpuSample:
     gpu_util_pct: int | None = None
     memory_util_pct: int | None = None
     memory_used_mib: int | None = None
+    memory_free_mib: int | None = None
     temperature_c: int | None = None
     power_mw: int | None = None
     ecc_corrected: int | None = None  # volatile: since the driver loaded
@@ -291,6 +292,7 @@ def _sample(nvml: Nvml, gpu: GpuInfo) -> GpuSample:
         gpu_util_pct=util.gpu if util is not None else None,
         memory_util_pct=util.memory if util is not None else None,
         memory_used_mib=memory.used // MIB if memory is not None else None,
+        memory_free_mib=memory.free // MIB if memory is not None else None,
         temperature_c=p.ask(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU, absent=p.unsupported),
         power_mw=p.ask(nvml.nvmlDeviceGetPowerUsage, handle, absent=p.unsupported),
         ecc_corrected=ecc[0],

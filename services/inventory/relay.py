@@ -22,6 +22,7 @@ from shared.eventlog import AGENT_STREAM
 from shared.events import Envelope, MalformedEvent, UnknownEventType, decode
 from shared.natsauth import node_of_subject
 from shared.runtime import Service
+from shared.telemetry import processing
 
 log = logging.getLogger("gpuorch.inventory.relay")
 
@@ -40,9 +41,10 @@ def report_error(node: str | None, env: Envelope) -> str | None:
     return None
 
 
-def relayed(node: str, env: Envelope, msg: Msg) -> Envelope:
+def relayed(node: str, env: Envelope, msg: Msg, traceparent: str | None = None) -> Envelope:
+    """The report as the log's event: the agent's trace context goes on (``traceparent``: the relay's own span)."""
     return Envelope(env.data, id=env.id, source=f"/gpuorch/agent/{node}", time=msg.metadata.timestamp,
-                    traceparent=env.traceparent)
+                    traceparent=traceparent or env.traceparent)
 
 
 async def relay(svc: Service) -> None:
@@ -64,7 +66,8 @@ async def relay(svc: Service) -> None:
             return
         assert node is not None
         try:
-            await svc.log.append(relayed(node, env, msg), timeout=5)
+            with processing(msg.subject, env.traceparent, "inventory-relay") as traceparent:
+                await svc.log.append(relayed(node, env, msg, traceparent), timeout=5)
         except Exception as e:  # noqa: BLE001 - the log is away: the report stays in its stream and comes again
             log.warning("event=report_relay_failed subject=%s id=%s error=%r action=retry", msg.subject, env.id, e)
             with contextlib.suppress(Exception):

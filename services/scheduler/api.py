@@ -28,6 +28,7 @@ from shared.events import SUBJECT_PREFIX, Envelope, new_id, subject_token
 from shared.model import JOB_ID, QUEUE_PATH, ArrayElement, Dependency, EnvMap, Frozen, JobSpec, JsonNumber, NoNul
 from shared.redact import redact
 from shared.runtime import Service
+from shared.telemetry import new_trace, span
 
 if TYPE_CHECKING:
     from services.scheduler.service import Scheduler
@@ -258,7 +259,8 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         says what its translation could not carry over. A JSON list of JobRequests (or a manifest holding several
         jobs) is a batch of at most MAX_BATCH: each job is checked as if alone, the first refused one refuses the
         whole batch (``jobs[i]: why``) and nothing is appended; else all are appended at once and the answer lists
-        them in order."""
+        them in order. Traced, a job's trace is the request's (FastAPI's span, which continues the caller's
+        ``traceparent``); a batch's jobs each get a trace of their own, linked to the request's."""
         one = not isinstance(body, list)
         batch: list[JobRequest] = [body] if one else body  # type: ignore[list-item]
         said = getattr(request.state, "jobfile_warnings", None) or [[] for _ in batch]
@@ -270,11 +272,12 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             raise HTTPException(429, f"{p.user} submits faster than {scheduler.settings.submit_rate_per_s:g} jobs/s",
                                 headers={"Retry-After": str(max(1, math.ceil(wait)))})
         specs = [JobSpec.model_validate(req.model_dump(exclude={"array"})) for req in batch]
-        if any(verdicts := admitted(specs)):  # maybe stale: catch up with the log's head once, then judge again
-            assert svc.log is not None
-            await svc.caught_up(await svc.log.last_seq(), timeout=2)
-            verdicts = admitted(specs)
-        checked = [refusal(spec, p, why) for spec, why in zip(specs, verdicts)]
+        with span("scheduler.admission", attributes={"gpuorch.jobs": len(specs)}):
+            if any(verdicts := admitted(specs)):  # maybe stale: catch up with the log's head once, then judge again
+                assert svc.log is not None
+                await svc.caught_up(await svc.log.last_seq(), timeout=2)
+                verdicts = admitted(specs)
+            checked = [refusal(spec, p, why) for spec, why in zip(specs, verdicts)]
         if dry_run:
             previews = [preview(spec, p, refused, [*w, *more]) for (spec, more, refused), w in zip(checked, said)]
             return JSONResponse(previews[0] if one else previews)  # type: ignore[return-value]
@@ -297,10 +300,13 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             jobs = [(base, spec)] if req.array is None else [
                 (f"{base}-{i}", spec.model_copy(update={"array": ArrayElement(
                     id=base, index=i, max_running=req.array.max_running)})) for i in req.array.indices]
+            # one job: the request's trace; a batch: a trace per job (an array's elements share their array's)
+            trace = new_trace("scheduler.submit", **{"gpuorch.job.id": base}) if len(accepted) > 1 else None
             for job_id, s in jobs:
                 envs += [Envelope(ev.JobSubmitted(job_id=job_id, spec=s, owner=p.user), id=f"{job_id}-submitted",
-                                  source=source, actor=p.user),
-                         Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source, actor=p.user)]
+                                  source=source, actor=p.user, traceparent=trace),
+                         Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source, actor=p.user,
+                                  traceparent=trace)]
             made.append((base, [job_id for job_id, _ in jobs]))
         assert svc.log is not None
         seqs = await svc.log.append_many(envs)

@@ -8,6 +8,7 @@ cycle, so it never decides twice on the same free GPUs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from pathlib import Path
 from services.scheduler.api import router
 from services.scheduler.core import Plan, Reservation
 from services.scheduler.decide import configured_policy, decide
+from services.scheduler.metrics import SchedulerCollector, SchedulerEvents
 from services.scheduler.projection import SchedulerProjection
 from services.scheduler.reasons import worth_logging
 from shared import events as ev
@@ -27,6 +29,7 @@ from shared.readmodel import JobHistory
 from shared.aio import wait_event
 from shared.runtime import Metrics, NotCaughtUp, Service
 from shared.settings import Settings
+from shared.telemetry import JobTraces, span
 
 log = logging.getLogger("gpuorch.scheduler")
 
@@ -50,6 +53,7 @@ class Scheduler:
         self.live_reasons: dict[str, str] = {}
         self.reservation: Reservation | None = None  # the last cycle's backfill reservation: a job's estimated start
         self.reason_logged_at: dict[str, float] = {}
+        self.traces = JobTraces()  # a cycle's decision about a job continues the job's trace
         self.svc = Service(
             "scheduler",
             SchedulerProjection(),
@@ -60,6 +64,8 @@ class Scheduler:
             metrics=metrics,
             instance=settings.instance,
         )
+        self.events: SchedulerEvents = self.svc.metrics.own("scheduler-events", SchedulerEvents)
+        self.svc.metrics.own("scheduler-collector", lambda r: r.register(SchedulerCollector(lambda: self.proj)))
 
     @property
     def proj(self) -> SchedulerProjection:
@@ -85,10 +91,17 @@ class Scheduler:
 
     async def run_once(self) -> Plan:
         now = self.clock()
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time_ns()
         plan = decide(self.proj, self.policy, now, self.settings.half_life_s, self.settings.reclaim_after_s)
         self.svc.metrics.cycle_seconds.labels("scheduler").observe(time.perf_counter() - t0)
-        await self.commit(plan, now)
+        self.events.placements.observe(len(plan.placements))
+        # a cycle that decided something is a trace of its own (an idle tick makes none); each job's decision is a
+        # span in the job's trace, linked to the cycle's
+        busy = plan.placements or plan.preemptions or plan.cancellations
+        with span("scheduler.cycle", root=True, start_time=started, attributes={
+                "gpuorch.placed": len(plan.placements), "gpuorch.preempted": len(plan.preemptions)}) \
+                if busy else contextlib.nullcontext():
+            await self.commit(plan, now)
         return plan
 
     async def commit(self, plan: Plan, now: float) -> None:
@@ -100,7 +113,8 @@ class Scheduler:
                 continue
             event = ev.JobPlaced(job_id=job_id, placements=p.tasks, spread=p.spread, policy=p.policy)
             try:
-                last = max(last, *await self.svc.emit(event, expected_last_subject_seq=job.seq, epoch=epoch))
+                with self.traces.span("scheduler.place", job_id, **{"gpuorch.spread": p.spread}):
+                    last = max(last, *await self.svc.emit(event, expected_last_subject_seq=job.seq, epoch=epoch))
             except ConcurrencyConflict:
                 log.info("event=placement_conflict job=%s action=redecide", job_id)
                 continue
@@ -112,7 +126,8 @@ class Scheduler:
                 continue
             try:
                 event = ev.JobPreempting(job_id=pre.job_id, reason=pre.reason, grace_s=pre.grace_s)
-                last = max(last, *await self.svc.emit(event, expected_last_subject_seq=job.seq, epoch=epoch))
+                with self.traces.span("scheduler.preempt", pre.job_id, **{"gpuorch.reason": pre.reason}):
+                    last = max(last, *await self.svc.emit(event, expected_last_subject_seq=job.seq, epoch=epoch))
                 log.info("event=preempting job=%s reason=%r grace_s=%d", pre.job_id, pre.reason, pre.grace_s)
             except ConcurrencyConflict:
                 continue
@@ -123,12 +138,14 @@ class Scheduler:
             if job is None or job.state != "queued":
                 continue
             if worth_logging(job.reason, self.reason_logged_at.get(job_id), reason, now, self.settings.reason_refresh_s):
-                last = max(last, *await self.svc.emit(ev.JobUnschedulable(job_id=job_id, reason=reason), epoch=epoch))
+                with self.traces.span("scheduler.unschedulable", job_id):
+                    last = max(last, *await self.svc.emit(ev.JobUnschedulable(job_id=job_id, reason=reason), epoch=epoch))
                 self.reason_logged_at[job_id] = now
         for job_id in [j for j in self.reason_logged_at if j not in plan.unschedulable]:
             del self.reason_logged_at[job_id]
         for job_id, reason in plan.cancellations.items():
-            last = max(last, await self.cancel_unmet(job_id, reason, epoch))
+            with self.traces.span("scheduler.cancel", job_id):
+                last = max(last, await self.cancel_unmet(job_id, reason, epoch))
         last = max(last, await self.finish_preemptions(now, epoch))
         if last:
             try:
@@ -158,7 +175,8 @@ class Scheduler:
         last = 0
         for job in list(self.proj.jobs.values()):
             if job.state == "preempting" and job.preempting_since is not None and now > job.preempting_since + job.grace_s + 5:
-                last = max(last, *await self.requeue(job.job_id, attempt_key(job), epoch))
+                with self.traces.span("scheduler.requeue", job.job_id):
+                    last = max(last, *await self.requeue(job.job_id, attempt_key(job), epoch))
         return last
 
     async def requeue(self, job_id: str, why: str, epoch: int | None = None) -> list[int]:
@@ -179,8 +197,10 @@ class Scheduler:
         being the sequence of the job.placed the tasks ran for, so a standby replica, a redelivery after a
         restart or the other exits of a gang append nothing twice; and it expects the job's last sequence it was
         decided on, so a decision on a job that moved meanwhile is refused (its next event decides)."""
+        self.events.observe(env, self.proj)
         if env.data.TYPE.startswith(RELEVANT):
             self.wake.set()
+        self.traces.note(env)
         if not isinstance(env.data, ev.JobTaskExited):
             return
         e = env.data
@@ -189,7 +209,8 @@ class Scheduler:
             return  # ended already (a redelivery), or a late exit of an earlier attempt
         if job.state == "preempting":
             if not job.tasks_running:
-                await self.requeue(job.job_id, attempt_key(job))
+                with span("scheduler.requeue", attributes={"gpuorch.job.id": job.job_id}):
+                    await self.requeue(job.job_id, attempt_key(job))
             return
         if e.interrupted:
             why = f"task {e.task} interrupted: {e.reason or 'its node stopped'}"
@@ -211,7 +232,8 @@ class Scheduler:
         assert self.svc.log is not None
         env = Envelope(event, id=f"{job.job_id}-{attempt_key(job)}-{kind}", source="/gpuorch/scheduler")
         try:
-            await self.svc.log.append(env, expected_last_subject_seq=job.seq)
+            with span(f"scheduler.{kind}", attributes={"gpuorch.job.id": job.job_id}):
+                await self.svc.log.append(env, expected_last_subject_seq=job.seq)
         except ConcurrencyConflict:
             log.info("event=decision_refused job=%s decision=%s attempt=%s reason='the job moved since'", job.job_id,
                      kind, attempt_key(job))

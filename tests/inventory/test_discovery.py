@@ -281,6 +281,7 @@ def test_telemetry_samples_what_each_gpu_reports():
         gpu_util_pct=93,
         memory_util_pct=41,
         memory_used_mib=20_000,
+        memory_free_mib=fake.node.gpus[2].memory_mib - 20_000,
         temperature_c=71,
         power_mw=68_500,
         ecc_corrected=3,

@@ -190,6 +190,37 @@ def stage_times(events: list[dict], ids: set[str]) -> tuple[dict[str, list[float
     return stages, (sum(count.values()) / len(count) if count else float("nan"))
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | None) -> tuple[float, float]:
+    """(its own CPU seconds, its reaped children's) from /proc: an agent's children are its tasks' launchers."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / TICK, (int(f[13]) + int(f[14])) / TICK
+    except (OSError, ValueError, IndexError, TypeError):
+        return 0.0, 0.0
+
+
+def stack_cpu(stack: Stack) -> dict[str, float]:
+    """CPU seconds so far of each kind of the stack's processes."""
+    info, split = stack.info(), stack.info("split.json")
+    out: dict[str, float] = {}
+
+    def add(kind: str, x: float) -> None:
+        out[kind] = out.get(kind, 0.0) + x
+    own, _ = cpu_seconds(stack.proc.pid if stack.proc else None)
+    add("gateway (up)" if split else "up: services + API", own)
+    for name, s in split.items():
+        add(f"service {name}", cpu_seconds(s.get("pid"))[0])
+    add("nats-server", cpu_seconds(info.get("nats_pid"))[0])
+    for pid in info.get("agent_pids", []):
+        a, children = cpu_seconds(pid)
+        add("agents", a)
+        add("task launchers + tasks (reaped by agents)", children)
+    return out
+
+
 async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: str, profile: bool) -> dict:
     prof = root / "up.prof" if profile and not row.split else None
     stack = ProfiledStack(root / "data", f"dgx-h100:{row.nodes}", split=row.split, profile=prof)
@@ -231,19 +262,26 @@ async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: st
                     for body in share:
                         await post(body)
 
+            cpu0, me0 = stack_cpu(stack), time.process_time()
             t0 = time.time()
             await asyncio.gather(*(submitter(s) for s in shares if s))
             t_sub = time.time()
             polls = 0
             while True:  # until none of this run's jobs is queued, placed or running
                 polls += 1
-                left = await pages(c, "/v1/jobs", {"name": name, "state": list(ACTIVE)})
+                # one state per request: `gpuorch up --split`'s gateway forwards only the last of repeated query
+                # parameters (services/stack.py, params=request.query_params), so ?state=a&state=b is ?state=b there
+                left = [j for st in ACTIVE for j in await pages(c, "/v1/jobs", {"name": name, "state": st})]
+                # a 503 answer means recorded but not folded yet: done only once every job is seen, and ended
                 if not left:
-                    break
+                    seen = await pages(c, "/v1/jobs", {"name": name})
+                    if len(seen) >= jobs and not any(v["state"] in ACTIVE for v in seen):
+                        break
                 if time.time() - t0 > 1800:
                     raise TimeoutError(f"{len(left)} jobs still active after 1800 s")
                 await asyncio.sleep(0.25)
             t_poll = time.time()
+            cpu1 = {**stack_cpu(stack), "bench client (this process)": time.process_time() - me0}
             views = await pages(c, "/v1/jobs", {"name": name})
             events = await events_since(c, 0)  # a fresh stack: its whole job log
     finally:
@@ -254,14 +292,21 @@ async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: st
     ended = [v["ended_at"] for v in views if v["ended_at"]]
     placed = [v["placed_at"] - v["submitted_at"] for v in views if v["placed_at"]]
     started = [v["started_at"] - v["submitted_at"] for v in views if v["started_at"]]
-    stages, per_job = stage_times(events, {v["id"] for v in views})
+    ids = {v["id"] for v in views}
+    stages, per_job = stage_times(events, ids)
+    types: dict[str, int] = {}
+    for e in events:
+        if e.get("subject", "").partition("/")[2] in ids:
+            t = e["type"].removeprefix("io.gpuorch.").rsplit(".v", 1)[0]
+            types[t] = types.get(t, 0) + 1
     out = {"jobs": len(views), "states": states, "answers": {str(k): v for k, v in answers.items()},
            "submit_s": t_sub - t0, "submitted_per_s": jobs / (t_sub - t0),
            "finished_per_s": len(views) / (max(ended) - t0) if ended else float("nan"),
            "finished_per_s_polled": len(views) / (t_poll - t0), "polls": polls,
            "placed_p50_s": pct(placed, 0.5), "placed_p99_s": pct(placed, 0.99),
            "start_p50_s": pct(started, 0.5), "start_p99_s": pct(started, 0.99),
-           "events_per_job": per_job,
+           "events_per_job": per_job, "event_types": {k: round(v / max(1, len(views)), 2) for k, v in types.items()},
+           "cpu_s": {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}, "wall_s": t_poll - t0,
            "stages": {k: {"p50_ms": pct(v, 0.5) * 1000, "p99_ms": pct(v, 0.99) * 1000, "n": len(v)}
                       for k, v in stages.items()}}
     if prof is not None and prof.exists():
@@ -556,6 +601,9 @@ def median_of(runs: list[dict]) -> dict:
     for k in runs[0]["stages"]:
         stages[k] = {q: statistics.median(r["stages"][k][q] for r in runs) for q in ("p50_ms", "p99_ms")}
     med["stages"] = stages
+    if "cpu_s" in runs[0]:
+        med["cpu_s"] = {k: statistics.median(r["cpu_s"].get(k, 0.0) for r in runs) for k in runs[0]["cpu_s"]}
+        med["wall_s"] = statistics.median(r["wall_s"] for r in runs)
     if "events_per_job" in runs[0]:
         med["events_per_job"] = statistics.median(r["events_per_job"] for r in runs)
     return med
@@ -613,6 +661,13 @@ def show(out: dict) -> None:
             cells = ", ".join(f"{k} {v['p50_ms']:.0f}/{v['p99_ms']:.0f}" for k, v in m["stages"].items())
             extra = f"; {m['events_per_job']:.1f} events per job" if "events_per_job" in m else ""
             print(f"  {name} {wl}: {cells}{extra}")
+    print()
+    print("CPU seconds of each kind of process from the first submission to the last job's end (median of the runs):")
+    for name, row in out["rows"].items():
+        for wl, m in row["median"].items():
+            if "cpu_s" in m:
+                cells = ", ".join(f"{k} {v:.1f}" for k, v in sorted(m["cpu_s"].items(), key=lambda kv: -kv[1]) if v)
+                print(f"  {name} {wl} ({m['wall_s']:.0f} s wall): {cells}")
     g16 = [m["finished_per_s"] for n, r in out["rows"].items() if "16x8" in n for m in r["median"].values()]
     slurm = out["rows"].get("slurm-1x8", {}).get("median", {})
     if g16:

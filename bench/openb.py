@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pods", default=str(DATA / "openb_pod_list_default.csv"),
                     help="pod list CSV(s), comma-separated, or 'all' for every workload in ../shared/data/openb")
     ap.add_argument("--workloads", default=None,
-                    help="instead of --pods: workload names in ../shared/data/openb ('all': every one), comma-separated; "
-                         "multigpuNN (e.g. multigpu40, multigpu60) is derived from multigpu20 if not there")
+                    help="instead of --pods: comma-separated workload names in ../shared/data/openb ('all': "
+                         "every one); multigpuNN (e.g. multigpu40, multigpu60) is derived from multigpu20 if not there")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     ap.add_argument("--seeds", default="42-51")
     ap.add_argument("--load", type=float, default=1.3, help="resample up to this x GPU capacity (the paper: 1.3)")

@@ -71,5 +71,6 @@ async def test_a_restart_restores_one_snapshot_for_the_process_and_replays_to_th
     assert [n for n in services if await eventlog.load_snapshot(n) is not None] == [], "one snapshot, not one each"
     async with in_process_stack(eventlog) as (client, again):
         assert len({id(s.projection) for s in again.values()}) == 1
+        assert again["scheduler"].fold.restored, "the process started from its snapshot, not from the log"
         live, alone = await same_position(eventlog, again)
         assert {n: s["digest"] for n, s in live.items()} == {n: alone[n]["digest"] for n in live}

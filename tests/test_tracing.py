@@ -23,9 +23,13 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.util._once import Once
 
 from services.inventory.agent import Agent
+from shared import events as ev
 from shared.eventlog import STREAM, EventLog
+from shared.events import Envelope
+from shared.model import JobSpec
 from shared.natsd import free_port
 from shared.profiles import build as build_profile
+from shared.telemetry import JobTraces, span
 from tests import test_stack
 from tests.support import in_process_stack, nodes_up, running, until, wait_until
 
@@ -113,6 +117,24 @@ async def test_each_job_of_a_batch_has_a_trace_of_its_own_linked_to_the_request(
     roots = [s for s in spans.get_finished_spans() if s.name == "scheduler.submit"]
     assert sorted(f"{s.context.trace_id:032x}" for s in roots) == sorted(traces)
     assert all(s.parent is None and [f"{link.context.trace_id:032x}" for link in s.links] == [TRACE] for s in roots)
+
+
+def test_a_cycles_decision_about_a_job_continues_the_jobs_trace_linked_to_the_cycle(spans):
+    traces = JobTraces()
+    traces.note(Envelope(ev.JobSubmitted(job_id="j-1", spec=JobSpec(name="a", command=("true",))), traceparent=CALLER))
+    traces.note(Envelope(ev.JobQueued(job_id="j-1"), traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01"))
+    with span("scheduler.cycle", root=True) as cycle:
+        with traces.span("scheduler.preempt", "j-1") as decision:
+            pass
+        with traces.span("scheduler.place", "j-2"):  # a job this process never saw: a child of the cycle
+            pass
+    assert trace_of(decision) == TRACE, "the job's first traced event's trace, not a later one's"
+    preempt, place = (next(s for s in spans.get_finished_spans() if s.name == n)
+                      for n in ("scheduler.preempt", "scheduler.place"))
+    assert [f"{link.context.span_id:016x}" for link in preempt.links] == [cycle.split("-")[2]]
+    assert trace_of(cycle) == f"{place.context.trace_id:032x}" != TRACE
+    traces.note(Envelope(ev.JobSucceeded(job_id="j-1")))
+    assert traces.by_job == {}, "an ended job's context is forgotten"
 
 
 class Receiver:

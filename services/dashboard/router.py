@@ -13,26 +13,21 @@ HttpOnly, SameSite=Strict cookie that ``shared.auth.authorize`` accepts on the d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path as FsPath
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-import httpx
 from fastapi import APIRouter, HTTPException, Path, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
-from jinja2 import Environment, FileSystemLoader, select_autoescape
-from markupsafe import Markup, escape
 
 from services.dashboard import views
+from services.dashboard.pages import HERE, PageRoute, api_of, live_url, local, render, render_streamed
 from services.dashboard.telemetry import LatestTelemetry
 from shared.api_events import MAX_SEQ, SUBJECT, record_json, subject_filter, type_matches
-from shared.auth import ROLE_RANK, SESSION_COOKIE, Unauthenticated
+from shared.auth import SESSION_COOKIE, Unauthenticated
 from shared.eventlog import Undecodable
 from shared.events import SUBJECT_PREFIX
 from shared.model import JOB_ID
@@ -40,155 +35,21 @@ from shared.model import JOB_ID
 if TYPE_CHECKING:
     from shared.eventlog import EventLog
 
-HERE = FsPath(__file__).parent
 STATIC = {"app.js": "text/javascript", "style.css": "text/css", "favicon.svg": "image/svg+xml"}
 LIVE_STATES = ("placed", "running", "preempting")
 PENDING_STATES = ("submitted", "queued", "preempted")
 SESSION_MAX_AGE_S = 12 * 3600
+LOGS_WAIT_S = 1.0  # the most a job page waits for its first log chunk
 MAX_ROWS = 1000  # jobs in one table: more are read, sorted, and cut here
-
-
-def templates() -> Environment:
-    env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]),
-                      trim_blocks=True, lstrip_blocks=True)
-    env.filters["when"] = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else ""
-    env.filters["gpus"] = lambda v: f"{v:g}" if isinstance(v, (int, float)) else v
-    env.filters["dict_update"] = lambda d, **kw: {**d, **kw}
-    env.globals["short_type"] = views.short_type
-    return env
-
-
-class PageRoute(APIRoute):
-    """A page answers its errors as a page: 401 is the login form (with WWW-Authenticate, as the API's), the rest
-    a sentence on the page, with the API's status."""
-
-    def get_route_handler(self) -> Callable:
-        inner = super().get_route_handler()
-
-        async def handler(request: Request) -> Response:
-            try:
-                return await inner(request)
-            except HTTPException as e:
-                return error_page(request, e.status_code, str(e.detail), e.headers)
-            except RequestValidationError as e:
-                return error_page(request, 422, "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
-                                                          for x in e.errors()))
-        return handler
-
-
-ENV = templates()
-
-
-def page_text(request: Request, name: str, **context: Any) -> str:
-    principal = getattr(request.state, "principal", None)
-    return ENV.get_template(name).render(request=request, me=principal,
-                                         operator=principal is not None and ROLE_RANK[principal.role] >= 1, **context)
-
-
-def render(request: Request, name: str, code: int = 200, headers: dict[str, str] | None = None,
-           **context: Any) -> HTMLResponse:
-    return HTMLResponse(page_text(request, name, **context), code,
-                        headers={"Cache-Control": "no-store", **(headers or {})})
-
-
-LIVE_MARK = "<!--live-->"
-
-
-def render_streamed(request: Request, page: str, part: str, load: Callable[[], Awaitable[dict[str, Any]]],
-                    **context: Any) -> StreamingResponse:
-    """A page whose frame (header, filters) is sent at once and whose live part follows when its data has come
-    from the API: the browser paints the frame while the big part (8,000 GPU tiles) is read and rendered."""
-    head, tail = page_text(request, page, live_html=Markup(LIVE_MARK), **context).split(LIVE_MARK, 1)
-
-    async def body() -> AsyncIterator[bytes]:
-        yield head.encode()
-        try:
-            yield page_text(request, part, **context, **await load()).encode()
-        except HTTPException as e:
-            yield f'<p class="error" role="alert">{escape(str(e.detail))}</p>'.encode()
-        yield tail.encode()
-
-    return StreamingResponse(body(), media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
-
-
-def error_page(request: Request, status: int, detail: str, headers: dict[str, str] | None = None) -> HTMLResponse:
-    if status == 401:
-        return render(request, "login.html", 401, headers or {"WWW-Authenticate": 'Bearer realm="gpuorch"'},
-                      error=detail if request.cookies.get(SESSION_COOKIE) else "", next=local(request.url.path))
-    return render(request, "error.html", status, headers, status=status, detail=detail)
-
-
-def local(target: str | None) -> str:
-    """A redirect target on this site only (never //host or a scheme)."""
-    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
-        return "/"
-    return target
-
-
-def token_of(request: Request) -> str:
-    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return request.cookies.get(SESSION_COOKIE, "")
-
-
-class Api:
-    """The API, called in-process as the caller (their token): what it refuses, the page refuses the same way."""
-
-    def __init__(self, request: Request) -> None:
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=request.app), base_url="http://dashboard",
-                                        headers={"authorization": f"Bearer {token_of(request)}"}, timeout=30)
-
-    async def call(self, path: str, **params: Any) -> httpx.Response:
-        return await self.client.get(path, params={k: v for k, v in params.items() if v not in (None, "", [])})
-
-    async def get(self, path: str, **params: Any) -> Any:
-        r = await self.call(path, **params)
-        if r.status_code >= 400:
-            try:
-                detail = r.json().get("detail")
-            except ValueError:
-                detail = r.text[:500]
-            raise HTTPException(r.status_code, detail if isinstance(detail, str) else json.dumps(detail))
-        return r.json()
-
-    async def jobs(self, pages: int = 20, **params: Any) -> tuple[list[dict[str, Any]], bool]:
-        """Every job of these filters the caller may see, page after page (at most ``pages`` of 1,000); and whether
-        there were more."""
-        out: list[dict[str, Any]] = []
-        cursor = None
-        for _ in range(pages):
-            r = await self.call("/v1/jobs", limit=1000, cursor=cursor, **params)
-            if r.status_code >= 400:
-                raise HTTPException(r.status_code, r.json().get("detail"))
-            out += r.json()
-            cursor = r.headers.get("x-next-cursor")
-            if not cursor:
-                return out, False
-        return out, True
-
-    async def close(self) -> None:
-        await self.client.aclose()
-
-
-@contextlib.asynccontextmanager
-async def api_of(request: Request) -> AsyncIterator[Api]:
-    api = Api(request)
-    try:
-        yield api
-    finally:
-        await api.close()
-
-
-def live_url(request: Request, part: str) -> str:
-    query = [(k, v) for k, v in request.query_params.multi_items() if k != "part"] + [("part", part)]
-    return f"{request.url.path}?{urlencode(query)}"
 
 
 def dashboard_router(get_log: Callable[[], "EventLog | None"]) -> APIRouter:
     """The pages; ``get_log``: the event log, for the live event stream and the telemetry stream."""
     r = APIRouter(route_class=PageRoute, include_in_schema=False, tags=["dashboard"])
     telemetry = LatestTelemetry(get_log)
+    # a refresh of the cluster page at 1,000 nodes costs this process a few hundred ms: a big cluster's page
+    # refreshes less often (every 10 s at 1,000 nodes)
+    seen = {"nodes": 0}
 
     # --- session --------------------------------------------------------------------
 
@@ -240,17 +101,20 @@ def dashboard_router(get_log: Callable[[], "EventLog | None"]) -> APIRouter:
             async with api_of(request) as api:
                 nodes, (jobs, _) = await asyncio.gather(api.get("/v1/nodes"), api.jobs(state=list(LIVE_STATES)))
             rows = views.node_rows(nodes, jobs, telemetry.latest())
+            seen["nodes"] = len(rows)
             shown = [row for row in rows if views.row_matches(row, model, rack, state)]
             racks: dict[tuple[str, str], list[views.NodeRow]] = {}
             for row in shown:
                 racks.setdefault((row.zone, row.rack), []).append(row)
             return dict(rows=shown, racks=racks, shown_summary=views.summary(shown), nodes=len(rows),
+                        node_states=views.node_states(shown),
+                        sick=views.sick_gpus([n for n in nodes if n["id"] in {row.id for row in shown}]),
                         models=sorted({m for row in rows for m in row.model.split("/")}),
                         rack_names=sorted({row.rack for row in rows if row.rack}),
                         built_ms=round((time.perf_counter() - t0) * 1000))
 
         context = dict(f_model=model, f_rack=rack, f_state=state, states=views.GPU_STATES + ("draining",),
-                       live=live_url(request, "live"))
+                       live=live_url(request, "live"), every=max(5000, 10 * seen["nodes"]))
         if part == "live":
             return render(request, "cluster_live.html", **context, **await load())
         return render_streamed(request, "cluster.html", "cluster_live.html", load, **context)
@@ -262,20 +126,26 @@ def dashboard_router(get_log: Callable[[], "EventLog | None"]) -> APIRouter:
     @r.get("/ui/queues", response_class=HTMLResponse)
     async def queues(request: Request, window: Annotated[str, Query(alias="range", pattern="^(1h|6h|24h|7d)$")] = "1h",
                      part: Annotated[str, Query(max_length=20)] = "") -> Response:
+        async def plot() -> dict[str, Any]:
+            """GPUs held per queue over the window: one GET /v1/usage per interval (the exact figure of each)."""
+            span, n = RANGES[window]
+            now = time.time()
+            edges = [now - span + span * i / n for i in range(n + 1)]
+            async with api_of(request) as api:
+                answers = await asyncio.gather(*(api.get("/v1/usage", since=f"{edges[i]:.3f}",
+                                                         until=f"{edges[i + 1]:.3f}") for i in range(n)))
+            return {"plot": views.usage_plot(edges, [{q: v["gpu_seconds"] for q, v in a["queues"].items()}
+                                                     for a in answers])}
+
+        context = dict(range=window, ranges=list(RANGES), live_table=live_url(request, "table"),
+                       live_plot=live_url(request, "plot"))
+        if part == "plot":
+            return render(request, "queues_plot.html", **context, **await plot())
         async with api_of(request) as api:
-            rows, scale = views.queue_rows(await api.get("/v1/queues")) if part != "plot" else ([], 1.0)
-            plot = None
-            if part in ("", "plot"):
-                span, n = RANGES[window]
-                now = time.time()
-                edges = [now - span + span * i / n for i in range(n + 1)]
-                answers = await asyncio.gather(*(api.get("/v1/usage", since=f"{edges[i]:.3f}", until=f"{edges[i + 1]:.3f}")
-                                                 for i in range(n)))
-                buckets = [{q: v["gpu_seconds"] for q, v in a["queues"].items()} for a in answers]
-                plot = views.usage_plot(edges, buckets)
-        name = {"table": "queues_table.html", "plot": "queues_plot.html"}.get(part, "queues.html")
-        return render(request, name, rows=rows, scale=scale, plot=plot, range=window, ranges=list(RANGES),
-                      live_table=live_url(request, "table"), live_plot=live_url(request, "plot"))
+            rows, scale = views.queue_rows(await api.get("/v1/queues"))
+        if part == "table":
+            return render(request, "queues_table.html", rows=rows, scale=scale, **context)
+        return render_streamed(request, "queues.html", "queues_plot.html", plot, rows=rows, scale=scale, **context)
 
     # --- jobs -----------------------------------------------------------------------
 
@@ -322,8 +192,12 @@ def dashboard_router(get_log: Callable[[], "EventLog | None"]) -> APIRouter:
             found = await asyncio.gather(*(api.call(f"/v1/nodes/{n}") for n in nodes))
             logs = None
             if part != "live" and (job.get("placement") or job.get("started_at")):
-                resp = await api.call(f"/v1/jobs/{job_id}/logs", task=0, offset=0)
-                logs = resp.json() if resp.status_code == 200 else {"error": resp.json().get("detail"), "next_offset": 0}
+                try:  # the agent answers over the bus; a slow one leaves the following to the page's script
+                    resp = await asyncio.wait_for(api.call(f"/v1/jobs/{job_id}/logs", task=0, offset=0), LOGS_WAIT_S)
+                    logs = resp.json() if resp.status_code == 200 else {"error": resp.json().get("detail"),
+                                                                        "next_offset": 0}
+                except TimeoutError:
+                    logs = {"data": "", "next_offset": 0}
         index = {g["uuid"]: g["index"] for resp in found if resp.status_code == 200 for g in resp.json()["gpus"]}
         index |= {s["uuid"]: f"{g['index']}/{s['profile']}" for resp in found if resp.status_code == 200
                   for g in resp.json()["gpus"] for s in g.get("mig_slices") or ()}
@@ -393,8 +267,6 @@ def dashboard_router(get_log: Callable[[], "EventLog | None"]) -> APIRouter:
 
 
 def _subject_ok(subject: str) -> bool:
-    import re
-
     return re.fullmatch(SUBJECT, subject) is not None
 
 

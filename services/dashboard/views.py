@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,8 +119,34 @@ def health(sick: list[dict[str, Any]]) -> str:
     if not sick:
         return "ok"
     if len(sick) == 1:
-        return f"GPU {sick[0]['index']} {(sick[0].get('health_reason') or 'sick').split(':', 1)[0]}"
+        return (sick[0].get("health_reason") or "sick").split(":", 1)[0]
     return f"{len(sick)} GPUs sick"
+
+
+def short_model(model: str) -> str:
+    """A100-SXM4-40GB -> A100-40GB: the form factor is in the tooltip, the column stays narrow."""
+    return re.sub(r"-(SXM\d?|PCIE|PCIe|NVL)(?=-|$)", "", model)
+
+
+@dataclass(frozen=True, slots=True)
+class SickGpu:
+    node: str
+    index: int
+    model: str
+    reason: str
+
+
+def sick_gpus(nodes: list[dict[str, Any]]) -> list[SickGpu]:
+    return [SickGpu(n["id"], g["index"], g["model"], g.get("health_reason") or "unhealthy")
+            for n in sorted(nodes, key=lambda n: n["id"]) for g in n["gpus"] if g.get("health") == "unhealthy"]
+
+
+def node_states(rows: list["NodeRow"]) -> dict[str, int]:
+    out = {"cordoned": 0, "draining": 0, "lost": 0}
+    for r in rows:
+        if r.state in out:
+            out[r.state] += 1
+    return out
 
 
 def row_matches(row: NodeRow, model: str, rack: str, state: str) -> bool:

@@ -118,13 +118,17 @@ def cpu_bound_frag(t: TypicalShape, model: str, cpu_left: int, desc: Sequence[in
 
 
 class CpuAwareFragMemo(FragMemo):
-    """F for the fgd+ policy: FGD's measure, except that a shape fits a node only as often as its CPU allows.
+    """F for fgd+'s tie-break: FGD's measure, except that a shape fits a node only as often as its CPU allows.
 
     FGD asks whether one task of each shape still fits: a node with eight idle GPUs
     and CPU left for two tasks looks unfragmented until its CPU is gone, and by then
     six GPUs are stranded. Here those six count as fragment from the start, so a
     placement that eats CPU a node's idle GPUs need scores as the fragmentation it is.
     With CPU to spare it equals FGD's measure (for one-GPU shapes exactly).
+
+    fgd+ ranks nodes by FGD's score first and by this one only among FGD's ties: as
+    the primary score it sends CPU-hungry pods to the CPU-rich nodes that the largest
+    multi-GPU pods need, and loses to FGD on multi-GPU-heavy workloads.
     """
 
     def frag(self, model: str, cpu_left: int, free: Sequence[int]) -> float:

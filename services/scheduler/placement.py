@@ -129,8 +129,12 @@ class NodeScorer:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.policy = policy
-        self.fgd = policy in ("fgd", "fgd+")  # fgd+: FGD with CPU-aware fragmentation (fragmentation.CpuAwareFragMemo)
-        self.frag = CpuAwareFragMemo(typical) if policy == "fgd+" else FragMemo(typical)
+        self.fgd = policy in ("fgd", "fgd+")
+        self.frag = FragMemo(typical)
+        # fgd+ scores (FGD, CPU-aware FGD): the CPU-aware measure only breaks FGD's ties, before the node order.
+        self.measures: tuple[FragMemo, ...] = (self.frag,)
+        if policy == "fgd+":
+            self.measures += (CpuAwareFragMemo(typical),)
         self.rng = random.Random(seed)
         self.max_cpu, self.max_gpu = max_cpu, max_gpu
         self.deterministic = policy != "random"
@@ -177,7 +181,7 @@ class NodeScorer:
 
     # --- scores ---------------------------------------------------------------------
 
-    def score(self, node: NodeFree, pod: PodShape, ok: Mask = None) -> int | tuple[int, int]:
+    def score(self, node: NodeFree, pod: PodShape, ok: Mask = None) -> int | tuple[int, ...]:
         p = self.policy
         if self.fgd:
             return self._fgd_shared(node, pod, ok)[0] if pod.sharing else self._fgd_whole(node, pod, ok)
@@ -195,24 +199,30 @@ class NodeScorer:
             return self._gpuclustering(node, pod)
         return 0  # random draws among feasible nodes instead of scoring
 
-    def _fgd_shared(self, node: NodeFree, pod: PodShape, ok: Mask) -> tuple[int, int | None]:
-        # Every GPU with room is tried; the first index reaching the best integer score wins.
-        f_before = self.frag.frag(node.model, node.cpu, node.free)
+    def _fgd_delta(self, before: Sequence[float], model: str, cpu: int, free: Sequence[int]) -> int | tuple[int, ...]:
+        """FGD's integer score of one move per measure: an int for fgd, a tuple compared in order for fgd+."""
+        s = tuple(fgd_score(b, f.frag(model, cpu, free)) for b, f in zip(before, self.measures))
+        return s if len(s) > 1 else s[0]
+
+    def _fgd_shared(self, node: NodeFree, pod: PodShape, ok: Mask) -> tuple[int | tuple[int, ...], int | None]:
+        # Every GPU with room is tried; the first index reaching the best score (fgd+: score pair) wins.
+        before = [f.frag(node.model, node.cpu, node.free) for f in self.measures]
         cpu_after = node.cpu - pod.cpu
         free = list(node.free)
-        best, gpu = -1, None
+        best: int | tuple[int, ...] = -1
+        gpu = None
         for i, r in enumerate(free):
             if r < pod.milli or (ok is not None and not ok[i]):
                 continue
             free[i] = r - pod.milli
-            s = fgd_score(f_before, self.frag.frag(node.model, cpu_after, free))
+            s = self._fgd_delta(before, node.model, cpu_after, free)
             free[i] = r
-            if s > best:
+            if gpu is None or s > best:  # type: ignore[operator]
                 best, gpu = s, i
         return best, gpu
 
-    def _fgd_whole(self, node: NodeFree, pod: PodShape, ok: Mask) -> int:
-        f_before = self.frag.frag(node.model, node.cpu, node.free)
+    def _fgd_whole(self, node: NodeFree, pod: PodShape, ok: Mask) -> int | tuple[int, ...]:
+        before = [f.frag(node.model, node.cpu, node.free) for f in self.measures]
         after = list(node.free)
         left = pod.count
         if left:
@@ -222,7 +232,7 @@ class NodeScorer:
                     left -= 1
                     if left == 0:
                         break
-        return fgd_score(f_before, self.frag.frag(node.model, node.cpu - pod.cpu, after))
+        return self._fgd_delta(before, node.model, node.cpu - pod.cpu, after)
 
     def _bestfit(self, node: NodeFree, pod: PodShape) -> int:
         cpu_term = 0.5 * (node.cpu - pod.cpu) / self.max_cpu

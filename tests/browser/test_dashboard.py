@@ -8,7 +8,6 @@ state must change on screen without a reload. Every request the pages make stays
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -110,7 +109,7 @@ def test_the_pages_show_the_gang_the_waiting_reason_and_the_sick_gpu_and_follow_
     assert page.locator(f"#node-{DGX} i.s-shared[title*='{frac['id']}']").count() == 1
     sick = page.locator(f"#node-{T4} i.s-unhealthy")
     assert sick.count() == 1 and "xid 79" in sick.get_attribute("title").lower()
-    assert page.locator(f"#node-{T4} .hl").inner_text() == "GPU 3 xid 79"
+    assert page.locator(f"#node-{T4} .hl").inner_text() == "xid 79"
     assert page.locator(f"#node-{T4}.st-cordoned, #node-{T4}.st-draining").count() == 1  # health fenced the node
 
     page.goto(f"{stack.url}/ui/jobs/{big['id']}")
@@ -152,7 +151,7 @@ def test_the_pages_show_the_gang_the_waiting_reason_and_the_sick_gpu_and_follow_
     print("first paint (ms, 2 nodes):", {k: round(v) for k, v in timings.items()})
 
 
-def test_pages_work_with_javascript_off(stack: Stack, browser):
+def test_the_tables_and_filters_work_with_javascript_off(stack: Stack, browser):
     job = submit(stack, name="plain", resources={"gpus": 1})
     wait_until(lambda: job_state(stack, job["id"]) in ("placed", "running"), 20, "the job to be placed")
     context = browser.new_context(java_script_enabled=False)
@@ -170,4 +169,15 @@ def test_pages_work_with_javascript_off(stack: Stack, browser):
     page.click("text=Log out")
     assert page.locator("input[name=token]").count() == 1
     context.close()
-    time.sleep(0)  # nothing left running: the stack fixture stops it
+
+
+@pytest.mark.slow
+def test_first_paint_of_each_page_at_1000_nodes_is_logged(tmp_path: Path, capsys):
+    """Measured, not asserted (the machine is shared): bench.dashboard_shots at 1,000 nodes and 8,000 GPUs, its
+    screenshots in a temporary directory; the figures are in this test's log (pytest -s, or -rP)."""
+    from bench.dashboard_shots import measure, report
+
+    info, paints = measure(1000, 1500, tmp_path, CHROMIUM)
+    print("\n" + report(info, paints))
+    assert info["nodes"] == 1000 and set(paints) >= {"cluster", "queues", "jobs", "job", "events"}
+    assert all(fcp > 0 for fcp, _ in paints.values()), paints  # every page painted

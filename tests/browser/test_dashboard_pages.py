@@ -8,12 +8,12 @@ import re
 import httpx
 
 from services.dashboard import dashboard_router
-from shared.auth import COOKIE_ROUTES, ROUTE_ROLES, SESSION_COOKIE
-from shared.eventlog import EventLog
-from tests.builders import node
 from shared import events as ev
+from shared.auth import COOKIE_ROUTES, ROUTE_ROLES
 from shared.cluster import agent_source
+from shared.eventlog import EventLog
 from shared.events import Envelope
+from tests.builders import node
 from tests.support import as_user, in_process_stack, until
 
 PAGES = ("/", "/ui/queues", "/ui/jobs", "/ui/jobs/j-none", "/ui/events")
@@ -109,3 +109,25 @@ async def test_the_cluster_page_shows_each_gpu_by_state_with_the_xid_of_a_sick_o
 
 async def _n(client, n):
     return len((await client.get("/v1/nodes")).json()) >= n
+
+
+def test_the_split_gateway_serves_the_dashboard_over_its_services(tmp_path):
+    from tests.support import wait_until
+    from tests.test_stack import Stack
+
+    stack = Stack(tmp_path / "d", split=True, nodes="t4-4x:1").start(timeout=60)
+    try:
+        wait_until(lambda: len(stack.api.get("/v1/nodes").json()) == 1, 30, "the node to register")
+        job = stack.api.post("/v1/jobs", json={**JOB, "name": "via-gateway"}).json()
+        token = (stack.data_dir / "auth" / "admin.token").read_text().strip()
+        with httpx.Client(base_url=stack.url, timeout=20) as b:
+            r = b.post("/ui/login", content=f"token={token}&next=/",
+                       headers={"content-type": "application/x-www-form-urlencoded"})
+            assert r.status_code == 303, r.text
+            cluster = b.get("/")
+            assert cluster.status_code == 200 and 'id="node-t4-4x-0"' in cluster.text
+            assert job["id"] in b.get("/ui/jobs?state=all").text
+            assert "Why it waits" in b.get(f"/ui/jobs/{job['id']}").text or job["id"] in b.get(f"/ui/jobs/{job['id']}").text
+            assert b.get("/ui/queues").status_code == 200
+    finally:
+        assert stack.stop() == 0

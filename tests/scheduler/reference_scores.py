@@ -128,19 +128,25 @@ def first_free(node: RefNode, pod: RefPod) -> tuple[int, ...]:
     return tuple([i for i, r in enumerate(node.free) if r >= pod.milli][: pod.count])
 
 
-def fgd(node: RefNode, pod: RefPod, shapes: Sequence[Typical], measure=frag) -> tuple[int, tuple[int, ...]]:
+def fgd(node: RefNode, pod: RefPod, shapes: Sequence[Typical], measures=(frag,)) -> tuple[object, tuple[int, ...]]:
     """§2.5: a sharing pod tries every GPU with room (the first reaching the best integer score wins); any
-    other pod takes its k GPUs in ascending order of room (stable by index)."""
-    before = measure(shapes, node.model, node.cpu, node.free)
+    other pod takes its k GPUs in ascending order of room (stable by index). Several measures (fgd+): a tuple
+    of integer scores, compared in order."""
+    before = [m(shapes, node.model, node.cpu, node.free) for m in measures]
+
+    def scored(cpu: int, free: Sequence[int]) -> object:
+        s = tuple(sigmoid_score(b, m(shapes, node.model, cpu, free)) for b, m in zip(before, measures))
+        return s if len(s) > 1 else s[0]
+
     if pod.sharing:
-        best, gpu = -1, -1
+        best, gpu = None, -1
         for i, r in enumerate(node.free):
             if r < pod.milli:
                 continue
             after = list(node.free)
             after[i] -= pod.milli
-            s = sigmoid_score(before, measure(shapes, node.model, node.cpu - pod.cpu, after))
-            if s > best:
+            s = scored(node.cpu - pod.cpu, after)
+            if best is None or s > best:
                 best, gpu = s, i
         return best, (gpu,)
     after = list(node.free)
@@ -149,7 +155,7 @@ def fgd(node: RefNode, pod: RefPod, shapes: Sequence[Typical], measure=frag) -> 
         if left and after[i] >= pod.milli:
             after[i] -= pod.milli
             left -= 1
-    return sigmoid_score(before, measure(shapes, node.model, node.cpu - pod.cpu, after)), first_free(node, pod)
+    return scored(node.cpu - pod.cpu, after), first_free(node, pod)
 
 
 def best_fit_gpu(node: RefNode, pod: RefPod) -> tuple[int, ...]:
@@ -171,7 +177,7 @@ def score(policy: str, node: RefNode, pod: RefPod, shapes: Sequence[Typical]) ->
     if policy == "fgd":
         return fgd(node, pod, shapes)
     if policy == "fgd+":
-        return fgd(node, pod, shapes, frag_cpu_aware)
+        return fgd(node, pod, shapes, (frag, frag_cpu_aware))  # FGD's score first, CPU-aware on its ties
     if policy == "bestfit":
         raw = 1 - (0.5 * (node.cpu - pod.cpu) / MAX_CPU + 0.5 * left_gpu / MAX_GPU)
         return math.floor(raw * 100), best_fit_gpu(node, pod)

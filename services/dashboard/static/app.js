@@ -54,7 +54,7 @@ if (table && window.EventSource) {
     const e = JSON.parse(msg.data);
     const tr = document.createElement("tr");
     tr.className = "fresh";
-    for (const [key, cls] of [["seq", "num"], ["time", ""], ["type", ""], ["subject", ""], ["summary", ""]]) {
+    for (const [key, cls] of [["seq", "num"], ["time", "when"], ["type", ""], ["subject", ""], ["summary", ""]]) {
       const td = document.createElement("td");
       if (cls) td.className = cls;
       if (key === "subject" && e.link) {

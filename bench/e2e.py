@@ -24,8 +24,8 @@ Rows (``--rows``, default all):
   POSTs from 8 clients, or the batch API (each of the 8 submitters posts its share of jobs as one JSON list).
 - ``split-16x8``, ``split-16x8-batch``: the same with `gpuorch up --split` (one OS process per service).
 
-For gpuorch, the end is polled with ``GET /v1/jobs?name=RUN&state=queued&state=placed&state=running...`` (cursor
-paging) and the times are the jobs' own (``GET /v1/jobs``); a stage breakdown (submitted -> queued -> placed ->
+For gpuorch, the end is polled with ``GET /v1/jobs?name=RUN&state=S`` for each unended state S (cursor paging; one
+state per request, as the --split gateway keeps only the last of repeated parameters) and the times are the jobs' own (``GET /v1/jobs``); a stage breakdown (submitted -> queued -> placed ->
 task started -> task exited -> succeeded, medians over the jobs) is read from the log (``GET /v1/events?subject=job``).
 ``--profile`` runs one-process stacks under cProfile and prints their top functions. Every process started
 (gpuorch up and its children, slurmctld, slurmd, munged, slurmstepd) is stopped on exit, Ctrl-C or error.

@@ -453,8 +453,9 @@ async def serve_gateway(
         if traceparent := current_traceparent():  # traced: the service's span is a child of this request's
             headers["traceparent"] = traceparent
         try:
-            resp = await client.request(request.method, url, params=request.query_params, content=await request.body(),
-                                        headers=headers)
+            # every value of a repeated parameter (?state=queued&state=running), not only the last
+            resp = await client.request(request.method, url, params=request.query_params.multi_items(),
+                                        content=await request.body(), headers=headers)
         except httpx.HTTPError as e:
             return Response(json.dumps({"detail": f"service {name} unavailable: {e!r}"}), 503, media_type="application/json")
         return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"),

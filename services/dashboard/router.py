@@ -39,7 +39,7 @@ STATIC = {"app.js": "text/javascript", "style.css": "text/css", "favicon.svg": "
 LIVE_STATES = ("placed", "running", "preempting")
 PENDING_STATES = ("submitted", "queued", "preempted")
 SESSION_MAX_AGE_S = 12 * 3600
-LOGS_WAIT_S = 1.0  # the most a job page waits for its first log chunk
+LOGS_WAIT_S = 0.3  # the most a job page waits for its first log chunk (an agent answers in ms; the script follows)
 MAX_ROWS = 1000  # jobs in one table: more are read, sorted, and cut here
 
 

@@ -269,7 +269,9 @@ class Agent:
         base = base_env(home, user.name, os.path.dirname(sys.executable))
         env = task_env(placed.job_id, attempt, placed.placements, task, addresses,
                        {**job.spec.env, **job.spec.secret_env}, base, spec=job.spec)
-        launcher = [sys.executable, "-I", LAUNCHER, "--cwd", str(home), "--env-file", str(write_env(d, env))]
+        # -I: nothing of the environment or the user's site; -S: no site module at all (the launcher needs only the
+        # standard library), a third of an interpreter's start (bench.e2e: 33 -> 20 ms a task)
+        launcher = [sys.executable, "-I", "-S", LAUNCHER, "--cwd", str(home), "--env-file", str(write_env(d, env))]
         if self.switch_user:
             launcher += ["--uid", str(user.uid), "--gid", str(user.gid), "--groups", ",".join(map(str, user.groups))]
         command = list(job.spec.command) or ["true"]

@@ -197,13 +197,13 @@ def reason_class(reason: str) -> str:
         return "singleton"
     if "at its limit of" in reason or "above the limit of queue" in reason:
         return "queue limit"
-    if "is held for" in reason:
-        return "reservation"
     if reason.startswith("waiting for preemption") or "to leave: reclaimed" in reason:
         return "evictions"
     if any(w in reason for w in ("can never", "no schedulable node", "even when idle", "even empty",
                                  "no node could ever")):
         return "never fits"
+    # a job held back for a reservation waits for room too: which of the two it is flips for the whole queue
+    # each time a large job reaches or leaves the head of it (bench.e2e: 58 reason events per job at 500 jobs)
     return "no room now"
 
 

@@ -534,8 +534,10 @@ def waits_are_real(s: Scenario) -> None:
 
 def test_a_job_left_waiting_has_no_placement_and_never_means_never(shares: Shares) -> None:
     check(shares, waits_are_real, "mixed", "preempt", "backfill")
-    shares.require({"mixed": {"waits: can never fit": 0.3, "waits for a queue limit": 0.05},
-                    "preempt": {"waits for a queue limit": 0.2},
+    # even derandomized, the examples move a little with what else the process imported before (seen: preempt's
+    # queue limit 17.5 to 23.8 %, mixed's 7.5 to 13.8 %): minimums below the lowest seen, not at it
+    shares.require({"mixed": {"waits: can never fit": 0.3, "waits for a queue limit": 0.04},
+                    "preempt": {"waits for a queue limit": 0.12},
                     "backfill": {"held back for the reservation": 0.1, "reservation held": 0.4, "waits: no room now": 0.35}})
 
 

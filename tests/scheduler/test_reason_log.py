@@ -18,7 +18,8 @@ WORDED = [
     ("needs 4 GPUs; above the limit of queue research (8 GPUs)", "queue limit"),
     ("waiting for preemption of j-a, j-b (grace 30 s)", "evictions"),
     ("waiting for j-a to leave: reclaimed for queue prod (grace 300 s)", "evictions"),
-    ("needs 8 GPUs; the free capacity it fits is held for j-head on n1, n2 until 1700000000", "reservation"),
+    # held back for a reservation or not, it waits for room: the two flip whenever a big job heads the queue
+    ("needs 8 GPUs; the free capacity it fits is held for j-head on n1, n2 until 1700000000", "no room now"),
     ("waiting for dependency afterok:j-a (running)", "dependency"),
     ("array j-arr at its limit of 2 running", "array"),
     ("singleton: waiting for j-old (same name nightly and owner ada) to end", "singleton"),
@@ -39,6 +40,8 @@ CASES = [
     ("needs 8 GPUs; largest free block is 3 on n5", 0, "needs 1 GPU; research at its limit of 1 GPU", 1, True),
     ("waiting for dependency afterok:j-a (running)", 0, "array j-arr at its limit of 2 running", 1, True),
     ("needs 8 GPUs; largest free block is 3 on n5", None, "needs 8 GPUs; largest free block is 6 on n2", 1, True),
+    ("needs 8 GPUs; largest free block is 3 on n5", 0,
+     "needs 8 GPUs; the free capacity it fits is held for j-head on n1, n2 until 1700000000", 1, False),
 ]
 
 

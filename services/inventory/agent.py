@@ -46,6 +46,7 @@ from services.inventory.taskdir import (ExitRecord, LogNotFound, StateUnreadable
 from services.inventory.taskenv import base_env, task_env
 from shared import events as ev
 from shared.agentctl import LogRequest, XidRequest, answer
+from shared.aio import wait_event
 from shared.cluster import ACTIVE, ClusterProjection
 from shared.eventlog import HEARTBEAT_BUCKET
 from shared.events import Envelope
@@ -97,6 +98,23 @@ class Task:
         return _not_zombie(self.pid)
 
 
+def notify_on_exit(pid: int, event: asyncio.Event) -> bool:
+    """Set ``event`` when the child ``pid`` exits (a pidfd the running loop watches); False where there is no pidfd
+    (not Linux 5.3+): whoever waits on ``event`` must also poll."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return False
+    loop = asyncio.get_running_loop()
+
+    def exited() -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+        event.set()
+    loop.add_reader(fd, exited)
+    return True
+
+
 def _not_zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
@@ -115,6 +133,7 @@ class Agent:
         self.heartbeat_s, self.telemetry_s = heartbeat_s, telemetry_s
         self.tasks: dict[str, Task] = {}
         self.outbox = Outbox(node.node_id)
+        self.exited = asyncio.Event()  # a task started here has exited: the reaper runs a round now
         self.svc = Service(
             f"agent-{node.node_id}",
             AgentProjection(),
@@ -286,6 +305,7 @@ class Agent:
         (d / "started").write_text(str(time.time()))
         t = Task(placed.job_id, attempt, task, d, proc.pid, proc, traceparent=current_traceparent())
         self.tasks[t.key] = t
+        notify_on_exit(proc.pid, self.exited)  # the reaper reports it at once, not at its next round
         log.info("event=task_started job=%s task=%d attempt=%d pid=%d user=%s uid=%d", placed.job_id, task, attempt,
                  proc.pid, user.name, user.uid)
         self.report_started(t)
@@ -359,9 +379,10 @@ class Agent:
                 self.report_started(t)  # its start report died with the agent that started it
 
     async def reap(self, svc: Service) -> None:
-        """Every round: enforce grace periods, and queue the exit report of each task that ended (once; the task
-        is forgotten when the report is acknowledged)."""
+        """Every round (0.1 s, or at once when a task started here exits): enforce grace periods, and queue the
+        exit report of each task that ended (once; the task is forgotten when the report is acknowledged)."""
         while True:
+            self.exited.clear()
             now = time.monotonic()
             for t in list(self.tasks.values()):
                 if t.alive():
@@ -376,7 +397,7 @@ class Agent:
                     self.report_exit(t)
                 except Exception:  # noqa: BLE001 - a full disk: the next round tries again
                     log.exception("event=task_report_failed job=%s task=%d", t.job_id, t.task)
-            await asyncio.sleep(0.1)
+            await wait_event(self.exited, 0.1)
 
     def superseded(self, t: Task) -> bool:
         """The job was requeued and holds another place now: an exit of this attempt would end the new one."""

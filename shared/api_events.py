@@ -37,6 +37,26 @@ def subject_filter(subject: str | None) -> list[str] | None:
     return [f"{SUBJECT_PREFIX}.{aggregate}.{subject_token(ident) if ident else '>'}"]
 
 
+async def sse(request: Request, log: EventLog, start: int | None, subject: str | None, type_: str | None,
+              frame: Callable[[Record], str], first: bytes = b"") -> AsyncIterator[bytes]:
+    """Server-sent events: the log's events from ``start`` (None: only new ones) on ``subject``, of ``type_``,
+    each written by ``frame``; a comment keeps an idle connection open; it ends when the client leaves."""
+    subjects = subject_filter(subject)
+    follower = log.follow(start, subjects[0] if subjects else f"{SUBJECT_PREFIX}.>")
+    try:
+        if first:
+            yield first
+        async for rec in follower:
+            if await request.is_disconnected():
+                break
+            if rec is None:
+                yield b": keep-alive\n\n"
+            elif type_matches(rec, type_):
+                yield frame(rec).encode()
+    finally:
+        await follower.aclose()
+
+
 def type_matches(rec: Record, type_: str | None) -> bool:
     if not type_:
         return True
@@ -71,23 +91,13 @@ def events_router(get_log: Callable[[], EventLog]) -> APIRouter:
         type: Annotated[str | None, Query(max_length=200)] = None,
         subject: Annotated[str | None, Query(pattern=SUBJECT)] = None,
     ) -> StreamingResponse:
-        log = get_log()
-        subjects = subject_filter(subject)
+        subject_filter(subject)  # a bad subject is a 422 now, not a broken stream
 
-        async def gen() -> AsyncIterator[bytes]:
-            follower = log.follow(None if after is None else after + 1, subjects[0] if subjects else f"{SUBJECT_PREFIX}.>")
-            try:
-                async for rec in follower:
-                    if await request.is_disconnected():
-                        break
-                    if rec is None:
-                        yield b": keep-alive\n\n"
-                    elif type_matches(rec, type):
-                        kind = "undecodable" if isinstance(rec, Undecodable) else rec.type
-                        yield f"id: {rec.seq}\nevent: {kind}\ndata: {json.dumps(record_json(rec))}\n\n".encode()
-            finally:
-                await follower.aclose()
+        def frame(rec: Record) -> str:
+            kind = "undecodable" if isinstance(rec, Undecodable) else rec.type
+            return f"id: {rec.seq}\nevent: {kind}\ndata: {json.dumps(record_json(rec))}\n\n"
 
-        return StreamingResponse(gen(), media_type="text/event-stream")
+        return StreamingResponse(sse(request, get_log(), None if after is None else after + 1, subject, type, frame),
+                                 media_type="text/event-stream")
 
     return r

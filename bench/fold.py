@@ -28,8 +28,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.chaos import Stack
-from bench.ingest import BLOCKER, JOB, NODES, client, post
+from bench.ingest import JOB, filled_stack, post
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -75,18 +74,8 @@ async def one_run(c, pid: int, nats_pid: int, jobs: int) -> dict[str, float]:
 
 
 async def measure(jobs: int, runs: int, root: Path) -> dict:
-    stack = Stack(root / "data", NODES, split=False)
-    stack.start()
-    try:
-        await stack.until_ready()
-        async with client(stack) as c:
-            while len((await c.get("/v1/nodes")).json()) < 2:
-                await asyncio.sleep(0.2)
-            await post(c, [BLOCKER] * 8)
-            await post(c, [JOB] * 100)  # warm up: imports, caches
-            results = [await one_run(c, stack.proc.pid, stack.info()["nats_pid"], jobs) for _ in range(runs)]
-    finally:
-        stack.stop()
+    async with filled_stack(root) as (stack, c):
+        results = [await one_run(c, stack.proc.pid, stack.info()["nats_pid"], jobs) for _ in range(runs)]
     median = {k: statistics.median(r[k] for r in results) for k in results[0]}
     return {"cores": os.cpu_count(), "jobs": jobs, "runs": results, "median": median}
 

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -110,7 +112,10 @@ async def settled(c: httpx.AsyncClient, timeout: float = 30) -> None:
         await asyncio.sleep(0.5)
 
 
-async def measure(runs: int, root: Path) -> dict:
+@contextlib.asynccontextmanager
+async def filled_stack(root: Path) -> AsyncIterator[tuple[Stack, httpx.AsyncClient]]:
+    """`gpuorch up` on NODES with its 8 GPUs held by BLOCKER jobs (every job posted next waits queued) and warmed
+    up (the first requests pay for imports and caches); its admin client. Stopped on the way out."""
     stack = Stack(root / "data", NODES, split=False)
     stack.start()
     try:
@@ -119,19 +124,24 @@ async def measure(runs: int, root: Path) -> dict:
             while len((await c.get("/v1/nodes")).json()) < 2:
                 await asyncio.sleep(0.2)
             await post(c, [BLOCKER] * 8)
-            await post(c, [JOB] * 100)  # warm up: first requests pay for imports and caches
-            results = []
-            for _ in range(runs):
-                run: dict[str, float] = {}
-                await settled(c)
-                run["batch_jobs_per_s"] = await batches(c)
-                await settled(c)
-                run["single_jobs_per_s"] = await singles(c)
-                await settled(c)
-                run["open_p50_ms"], run["open_p99_ms"] = await open_loop(c)
-                results.append(run)
+            await post(c, [JOB] * 100)
+            yield stack, c
     finally:
         stack.stop()
+
+
+async def measure(runs: int, root: Path) -> dict:
+    async with filled_stack(root) as (_, c):
+        results = []
+        for _ in range(runs):
+            run: dict[str, float] = {}
+            await settled(c)
+            run["batch_jobs_per_s"] = await batches(c)
+            await settled(c)
+            run["single_jobs_per_s"] = await singles(c)
+            await settled(c)
+            run["open_p50_ms"], run["open_p99_ms"] = await open_loop(c)
+            results.append(run)
     median = {k: statistics.median(r[k] for r in results) for k in results[0]}
     return {"cores": os.cpu_count(), "runs": results, "median": median, "failed": FAILED,
             "targets": TARGETS, "before": BEFORE}

@@ -637,9 +637,10 @@ class EventLog:
                 except Exception:  # noqa: BLE001
                     pass
 
-    def _decode_shared(self, msg: Msg, keep: int = 8192) -> Record:
+    def _decode_shared(self, msg: Msg, keep: int = 2048) -> Record:
         """Decode a consumed event once per connection: the same sequence with the same body is the same record
-        (records are immutable), whichever consumer of this process reads it first."""
+        (records are immutable), whichever consumer of this process reads it first. ``keep``: the latest records
+        held; the consumers of a process fetch 256 at a time and stay within a few fetches of each other."""
         seq = msg.metadata.sequence.stream
         hit = self._decoded.get(seq)
         if hit is not None and hit[0] == msg.data:

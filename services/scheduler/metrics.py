@@ -128,7 +128,9 @@ class SchedulerEvents:
             return
         q = job.spec.queue
         if isinstance(e, ev.JobTaskStarted):
-            if job.started_at == env.timestamp and job.tasks_running == [e.task]:  # the attempt's first task
+            # the attempt's first task: the one whose start set started_at (the projection may already be past this
+            # event, folded by another service of the process: a short task may have ended, so not tasks_running)
+            if job.started_at == env.timestamp:
                 self.submit_to_start.labels(q).observe(max(0.0, env.timestamp - job.submitted_at))
         elif isinstance(e, ev.JobPreempting):
             self.preemptions.labels(q, preemption_reason(e.reason)).inc()

@@ -376,7 +376,7 @@ async def test_the_reaper_enforces_a_grace_while_the_bus_is_away_and_the_exit_re
     nats_server.stop()
     ended = Task("j-ended", 1, 0, _task_dir(agent.work_dir, "j-ended", 0), 0)
     stubborn = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    overdue = Task("j-overdue", 1, 0, _task_dir(agent.work_dir, "j-overdue"), stubborn.pid, stubborn,
+    overdue = Task("j-overdue", 1, 0, _task_dir(agent.work_dir, "j-overdue"), stubborn.pid,
                    kill_at=time.monotonic())
     agent.tasks = {ended.key: ended, overdue.key: overdue}  # the ended one first: its report cannot be sent
     reaper = asyncio.create_task(agent.reap(agent.svc))

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from services.inventory.discovery import poll_xid_events, register_xid_events, sample_telemetry
+from services.inventory.forker import Forker
 from services.inventory.outbox import Outbox, Report
 from services.inventory.runas import RunAs, RunAsRefused, UserMap, agent_account, resolve
 from services.inventory.taskdir import (ExitRecord, LogNotFound, StateUnreadable, make_task_dir, make_workspace,
@@ -56,7 +56,6 @@ from shared.runtime import Metrics, Service, SnapshotStore
 from shared.telemetry import current_traceparent, span
 
 log = logging.getLogger("gpuorch.agent")
-LAUNCHER = str(Path(__file__).with_name("launcher.py"))
 STOP_GRACE_S = 10  # for cancel/fail, where the job event carries no grace
 REFUSED = 126  # the shell's "found but cannot run"
 INTERRUPTED = "interrupted"  # a task directory's record: its node stopped under it (the file holds the reason)
@@ -74,7 +73,6 @@ class Task:
     task: int
     dir: Path
     pid: int
-    proc: subprocess.Popen | None = None  # None when re-adopted after an agent restart
     kill_at: float | None = None
     killed: bool = False
     reporting: bool = False  # its exit is in the outbox
@@ -87,8 +85,6 @@ class Task:
     def alive(self) -> bool:
         if self.pid <= 1:
             return False  # never started (refused), or its pid record was unreadable
-        if self.proc is not None:
-            return self.proc.poll() is None
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -99,10 +95,13 @@ class Task:
 
 
 def notify_on_exit(pid: int, event: asyncio.Event) -> bool:
-    """Set ``event`` when the child ``pid`` exits (a pidfd the running loop watches); False where there is no pidfd
+    """Set ``event`` when the process ``pid`` exits (a pidfd the running loop watches); False where there is no pidfd
     (not Linux 5.3+): whoever waits on ``event`` must also poll."""
     try:
         fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        event.set()  # gone already
+        return True
     except (AttributeError, OSError):
         return False
     loop = asyncio.get_running_loop()
@@ -133,6 +132,7 @@ class Agent:
         self.heartbeat_s, self.telemetry_s = heartbeat_s, telemetry_s
         self.tasks: dict[str, Task] = {}
         self.outbox = Outbox(node.node_id)
+        self.forker = Forker(f"{node.node_id}:{self.work_dir}")
         self.exited = asyncio.Event()  # a task started here has exited: the reaper runs a round now
         self.svc = Service(
             f"agent-{node.node_id}",
@@ -288,26 +288,23 @@ class Agent:
         base = base_env(home, user.name, os.path.dirname(sys.executable))
         env = task_env(placed.job_id, attempt, placed.placements, task, addresses,
                        {**job.spec.env, **job.spec.secret_env}, base, spec=job.spec)
-        # -I: nothing of the environment or the user's site; -S: no site module at all (the launcher needs only the
-        # standard library), a third of an interpreter's start (bench.e2e: 33 -> 20 ms a task)
-        launcher = [sys.executable, "-I", "-S", LAUNCHER, "--cwd", str(home), "--env-file", str(write_env(d, env))]
+        args = ["--cwd", str(home), "--env-file", str(write_env(d, env))]
         if self.switch_user:
-            launcher += ["--uid", str(user.uid), "--gid", str(user.gid), "--groups", ",".join(map(str, user.groups))]
+            args += ["--uid", str(user.uid), "--gid", str(user.gid), "--groups", ",".join(map(str, user.groups))]
         command = list(job.spec.command) or ["true"]
         out, err = open_log(d, "stdout"), open_log(d, "stderr")
         try:
-            proc = subprocess.Popen([*launcher, str(d / "exit.json"), "--", *command], cwd=d, stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            pid = self.forker.launch([*args, str(d / "exit.json"), "--", *command], d, out, err)
         finally:
             os.close(out)
             os.close(err)
-        (d / "pid").write_text(str(proc.pid))
+        (d / "pid").write_text(str(pid))
         (d / "started").write_text(str(time.time()))
-        t = Task(placed.job_id, attempt, task, d, proc.pid, proc, traceparent=current_traceparent())
+        t = Task(placed.job_id, attempt, task, d, pid, traceparent=current_traceparent())
         self.tasks[t.key] = t
-        notify_on_exit(proc.pid, self.exited)  # the reaper reports it at once, not at its next round
+        notify_on_exit(pid, self.exited)  # the reaper reports it at once, not at its next round
         log.info("event=task_started job=%s task=%d attempt=%d pid=%d user=%s uid=%d", placed.job_id, task, attempt,
-                 proc.pid, user.name, user.uid)
+                 pid, user.name, user.uid)
         self.report_started(t)
 
     def report_started(self, t: Task) -> None:
@@ -381,6 +378,12 @@ class Agent:
     async def reap(self, svc: Service) -> None:
         """Every round (0.1 s, or at once when a task started here exits): enforce grace periods, and queue the
         exit report of each task that ended (once; the task is forgotten when the report is acknowledged)."""
+        try:
+            await self._reap_rounds()
+        finally:
+            self.forker.close()
+
+    async def _reap_rounds(self) -> None:
         while True:
             self.exited.clear()
             now = time.monotonic()

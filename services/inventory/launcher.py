@@ -1,6 +1,14 @@
 """Run one task and record how it ended.
 
     python -I launcher.py [--cwd DIR] [--env-file FILE] [--uid UID --gid GID [--groups G,...]] EXIT_FILE -- CMD...
+    python -I launcher.py --serve FD [LABEL]
+
+The second form is the agent's long-lived launcher (``forker.Forker`` starts it): it reads requests, each the
+first form's arguments, a working directory and two descriptors (the task's stdout and stderr), on the
+SOCK_SEQPACKET socket FD, and forks one launcher per request, which then runs exactly as the first form. A fork
+of this small process costs well under a millisecond, a new interpreter tens of them (bench.e2e: the largest CPU
+cost of a short job). It ends when the agent closes the socket (or dies); the launchers it forked run on. LABEL
+is not read: it names the agent in the process list.
 
 The agent starts this wrapper in a new session, so a task outlives an agent that is killed, and a
 restarted agent can re-adopt it by its pid and read its exit from the file. The wrapper runs as the
@@ -17,8 +25,10 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import traceback
 
 
 def _id(text: str) -> int:
@@ -59,8 +69,8 @@ def read_env(path: str) -> dict[str, str]:
     return env
 
 
-def main() -> int:
-    args, cmd = parse(sys.argv[1:])
+def main(argv: list[str]) -> int:
+    args, cmd = parse(argv)
     switch = args.uid is not None
     try:
         env = read_env(args.env_file) if args.env_file else None
@@ -81,5 +91,69 @@ def main() -> int:
     return 0
 
 
+def serve(fd: int) -> int:
+    """Fork a launcher per request on the socket ``fd``; answer each with the launcher's pid (``pid N``) once it
+    leads its own session, or with ``error WHY``. Launchers are reaped by the kernel (SIGCHLD ignored): the agent
+    watches them by pid."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    while True:
+        try:
+            body, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+        except OSError:
+            return 0
+        if not body:
+            return 0  # the agent is gone: what was started runs on
+        try:
+            if len(fds) != 2:
+                raise ValueError(f"a request carries stdout and stderr, not {len(fds)} descriptors")
+            req = json.loads(body)
+            ready_r, ready_w = os.pipe()
+            pid = os.fork()
+        except (OSError, ValueError) as e:
+            for f in fds:
+                os.close(f)
+            sock.send(f"error {e}".encode())
+            continue
+        if pid == 0:
+            os.close(ready_r)
+            _launch_forked(sock, fds, req, ready_w)
+        for f in (*fds, ready_w):
+            os.close(f)
+        os.read(ready_r, 1)  # its session exists (or it died): a stop signalled to its group from now on reaches it
+        os.close(ready_r)
+        sock.send(f"pid {pid}".encode())
+
+
+def _launch_forked(sock: socket.socket, fds: list[int], req: dict, ready: int) -> None:
+    """In the fork: become the task's launcher (its own session, the task's logs as stdout and stderr, its
+    directory), as if started by the agent, then exit. The socket is closed first: no task can ask for another."""
+    code = 1
+    try:
+        sock.close()
+        os.setsid()
+        os.close(ready)
+        null = os.open(os.devnull, os.O_RDONLY)
+        for target, f in ((0, null), (1, fds[0]), (2, fds[1])):
+            os.dup2(f, target)
+            os.close(f)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the launcher waits for its task
+        os.chdir(req["cwd"])
+        code = main(list(req["argv"]))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 2
+    except BaseException:  # noqa: BLE001 - the fork never returns into the serving loop
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - nothing left to tell
+                pass
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--serve"] and len(sys.argv) >= 3:
+        sys.exit(serve(int(sys.argv[2])))
+    sys.exit(main(sys.argv[1:]))

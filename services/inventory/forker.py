@@ -1,0 +1,77 @@
+"""The agent's side of its long-lived launcher (``launcher.py --serve``): one request per task, answered with the
+pid of the launcher it forked. Started on first use, started again if it died; a request that still fails
+falls back to a new interpreter per task, so a task never waits on the forker's health."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger("gpuorch.agent")
+LAUNCHER = str(Path(__file__).with_name("launcher.py"))
+# -I: nothing of the environment or the user's site; -S: no site module at all (the launcher needs only the standard
+# library), a third of an interpreter's start
+PYTHON = [sys.executable, "-I", "-S", LAUNCHER]
+REPLY_TIMEOUT_S = 5.0
+
+
+class Forker:
+    def __init__(self, label: str) -> None:
+        self.label = label  # shown in the process list: which agent's forker this is
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+
+    def launch(self, args: list[str], cwd: Path, stdout: int, stderr: int) -> int:
+        """Start ``launcher.py ARGS`` in ``cwd`` in a session of its own, with these descriptors as its output;
+        its pid. The caller keeps (and closes) its descriptors."""
+        for attempt in range(2):
+            try:
+                return self._request(args, cwd, stdout, stderr)
+            except OSError as e:
+                log.warning("event=forker_failed label=%s attempt=%d error=%r", self.label, attempt, e)
+                self.close()
+        proc = subprocess.Popen([*PYTHON, *args], cwd=cwd, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        return proc.pid
+
+    def _request(self, args: list[str], cwd: Path, stdout: int, stderr: int) -> int:
+        if self.sock is None or self.proc is None or self.proc.poll() is not None:
+            self._start()
+        assert self.sock is not None
+        socket.send_fds(self.sock, [json.dumps({"argv": args, "cwd": str(cwd)}).encode()], [stdout, stderr])
+        reply = self.sock.recv(4096).decode(errors="replace")
+        kind, _, value = reply.partition(" ")
+        if kind == "pid" and value.isdigit():
+            return int(value)
+        if kind == "error":
+            raise OSError(f"the forker could not start the launcher: {value}")
+        raise OSError(f"the forker answered {reply[:100]!r}")
+
+    def _start(self) -> None:
+        self.close()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # its own session: a terminal's Ctrl-C reaches the agent, which closes the socket, and not the forker
+            self.proc = subprocess.Popen([*PYTHON, "--serve", str(theirs.fileno()), self.label], pass_fds=[theirs.fileno()],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            theirs.close()
+        ours.settimeout(REPLY_TIMEOUT_S)
+        self.sock = ours
+
+    def close(self) -> None:
+        """End the forker (the launchers it started run on)."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(2)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None

@@ -1,0 +1,129 @@
+"""The agent's long-lived launcher (bench.e2e: a new interpreter per task was the largest CPU cost of a short job):
+what it forks behaves as a launcher started afresh, and a task can neither reach it nor die with it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from services.inventory.agent import notify_on_exit
+from services.inventory.forker import Forker
+from shared.aio import wait_event
+
+
+@pytest.fixture
+def forker():
+    f = Forker("test")
+    yield f
+    f.close()
+
+
+def launch(forker: Forker, d: Path, *command: str) -> int:
+    out = os.open(d / "stdout.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    err = os.open(d / "stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        return forker.launch([str(d / "exit.json"), "--", *command], d, out, err)
+    finally:
+        os.close(out)
+        os.close(err)
+
+
+def until(check, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+    return found
+
+
+def exit_record(d: Path) -> dict:
+    return json.loads(until(lambda: (d / "exit.json").exists() and (d / "exit.json").read_text()))
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_forked_launcher_runs_its_task_in_a_session_of_its_own_and_records_its_exit(forker, tmp_path):
+    pid = launch(forker, tmp_path, "sh", "-c", "echo out; echo err >&2; exit 3")
+    assert exit_record(tmp_path) == {"code": 3}
+    assert (tmp_path / "stdout.log").read_text() == "out\n"
+    assert (tmp_path / "stderr.log").read_text() == "err\n"
+    assert until(lambda: gone(pid)), "the kernel reaps it: no zombie left for the agent to find alive"
+
+
+def test_a_task_that_cannot_start_is_recorded_as_the_shell_would(forker, tmp_path):
+    launch(forker, tmp_path, "/no/such/program")
+    assert exit_record(tmp_path)["code"] == 127
+    assert "cannot start '/no/such/program'" in (tmp_path / "stderr.log").read_text()
+
+
+def test_the_launcher_leads_its_own_session_and_holds_no_socket_of_the_forker(forker, tmp_path):
+    pid = launch(forker, tmp_path, "sleep", "30")
+    try:
+        assert os.getsid(pid) == pid and os.getpgid(pid) == pid, "a stop signals the task's whole group"
+        fds = {int(f) for f in os.listdir(f"/proc/{pid}/fd")}
+        sockets = [f for f in fds if stat.S_ISSOCK(os.stat(f"/proc/{pid}/fd/{f}").st_mode)]
+        assert sockets == [], "a launcher (root) that kept the forker's socket could ask it for more"
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+
+
+def test_tasks_outlive_their_forker_and_a_new_one_serves_the_next_task(forker, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    pid = launch(forker, first, "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 7")
+    try:
+        assert forker.proc is not None
+        os.kill(forker.proc.pid, signal.SIGKILL)  # as the OOM killer would
+        forker.proc.wait()
+        assert not gone(pid), "the task runs on"
+        launch(forker, second, "true")
+        assert exit_record(second) == {"code": 0}, "a new forker started the next task"
+        (first / "go").touch()
+        assert exit_record(first) == {"code": 7}, "its launcher still recorded how it ended"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_the_forker_ends_when_its_agent_closes_it(forker, tmp_path):
+    launch(forker, tmp_path, "true")
+    assert forker.proc is not None
+    proc = forker.proc
+    forker.sock.close()  # the agent died: the kernel closes its end
+    assert proc.wait(5) == 0
+
+
+def test_a_malformed_request_is_answered_and_the_forker_serves_on(forker, tmp_path):
+    launch(forker, tmp_path, "true")
+    exit_record(tmp_path)
+    socket.send_fds(forker.sock, [b"{not json"], [0, 1])
+    assert forker.sock.recv(4096).startswith(b"error ")
+    socket.send_fds(forker.sock, [b"{}"], [0])
+    assert forker.sock.recv(4096).startswith(b"error "), "two descriptors or none"
+    (tmp_path / "exit.json").unlink()
+    launch(forker, tmp_path, "true")
+    assert exit_record(tmp_path) == {"code": 0}
+
+
+async def test_the_reaper_hears_of_a_forked_launchers_exit(forker, tmp_path):
+    exited = asyncio.Event()
+    pid = launch(forker, tmp_path, "sleep", "0.2")
+    assert notify_on_exit(pid, exited), "a pidfd watches a process that is not the agent's child too"
+    assert await wait_event(exited, 10)
+    assert exit_record(tmp_path) == {"code": 0}

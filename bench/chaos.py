@@ -43,7 +43,8 @@ from shared.natsauth import Credentials
 from shared.natsd import NatsCluster, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("GPUORCH_", "NATS_"))}, "PYTHONPATH": str(REPO)}
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith(("GPUORCH_", "NATS_"))},
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # packages kept apart too
 SHAPES = [  # (weight, body): every command succeeds, so any failed job is the chaos's doing
     (5, {"name": "short", "resources": {"gpus": 1}, "command": ["sleep", "0.5"]}),
     (2, {"name": "gang", "tasks": 2, "resources": {"gpus": 1}, "command": ["sleep", "1"]}),

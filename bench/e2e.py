@@ -217,8 +217,17 @@ def stack_cpu(stack: Stack) -> dict[str, float]:
     for pid in info.get("agent_pids", []):
         a, children = cpu_seconds(pid)
         add("agents", a)
-        add("task launchers + tasks (reaped by agents)", children)
+        add("task launchers + tasks", children)  # a forker that ended (restarted), or a launcher started without one
+        for forker in children_of(pid):  # the agent's forker: itself and the launchers (with their tasks) it reaped
+            add("task launchers + tasks", sum(cpu_seconds(forker)))
     return out
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except (OSError, ValueError):
+        return []
 
 
 async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: str, profile: bool) -> dict:

@@ -93,9 +93,9 @@ def main(argv: list[str]) -> int:
 
 def serve(fd: int) -> int:
     """Fork a launcher per request on the socket ``fd``; answer each with the launcher's pid (``pid N``) once it
-    leads its own session, or with ``error WHY``. Launchers are reaped by the kernel (SIGCHLD ignored): the agent
-    watches them by pid."""
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    leads its own session, or with ``error WHY``. Launchers are reaped as they end (the agent watches them by pid),
+    so that their CPU time counts as this process's children's, as a new interpreter's did as the agent's."""
+    signal.signal(signal.SIGCHLD, _reap)
     sock = socket.socket(fileno=fd)
     while True:
         try:
@@ -123,6 +123,16 @@ def serve(fd: int) -> int:
         os.read(ready_r, 1)  # its session exists (or it died): a stop signalled to its group from now on reaches it
         os.close(ready_r)
         sock.send(f"pid {pid}".encode())
+
+
+def _reap(*_: object) -> None:
+    while True:
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def _launch_forked(sock: socket.socket, fds: list[int], req: dict, ready: int) -> None:

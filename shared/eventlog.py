@@ -41,6 +41,7 @@ DLQ_STREAM = "GPUORCH_DLQ"
 DLQ_PREFIX = "gpuorch.dlq"
 TELEMETRY_STREAM = "GPUORCH_TELEMETRY"
 AGENT_STREAM = "GPUORCH_AGENT"  # agents' reports, checked by inventory before they reach the log
+WORK_STREAM = "GPUORCH_WORK"  # each node's current work, one message per (node, job): what its agent reads
 SNAPSHOT_BUCKET = "gpuorch-snapshots"
 HEARTBEAT_BUCKET = "gpuorch_heartbeats"
 LEASE_BUCKET = "gpuorch_leases"
@@ -289,6 +290,17 @@ class EventLog:
                 storage=api.StorageType.FILE,
                 max_age=7 * 86400,
                 duplicate_window=300,
+                num_replicas=self.replicas,
+            )
+        )
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=WORK_STREAM,
+                subjects=["gpuorch.work.>"],
+                storage=api.StorageType.FILE,
+                max_msgs_per_subject=1,  # a (node, job)'s latest word replaces the one before
+                allow_msg_ttl=True,  # an ended job's last word lapses (services.inventory.work)
+                duplicate_window=120,
                 num_replicas=self.replicas,
             )
         )
@@ -592,29 +604,38 @@ class EventLog:
         batch: int = 256,
         stream: str = STREAM,
         subject: str = f"{SUBJECT_PREFIX}.>",
+        last_per_subject: bool = False,
+        inactive_s: float = 7 * 86400,
     ) -> None:
         """Run a durable pull consumer (on the event log, or ``stream``) until ``stop`` is set.
 
-        A new durable starts at ``start_seq``; an existing one resumes where it was
-        acknowledged. ``handler`` gets each record and its message and must ack,
-        nak or dead-letter it (see ``settle``). Survives nats-server restarts.
+        A new durable starts at ``start_seq`` (``last_per_subject``: at each subject's latest
+        message, then follows; created by name with its filter, so that subject permissions
+        can bound what a client reads); an existing one resumes where it was acknowledged.
+        ``handler`` gets each record and its message and must ack, nak or dead-letter it
+        (see ``settle``). Survives nats-server restarts.
         """
         config = api.ConsumerConfig(
             durable_name=durable,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=max(1, start_seq),
+            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT if last_per_subject else api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=None if last_per_subject else max(1, start_seq),
             ack_policy=api.AckPolicy.EXPLICIT,
             ack_wait=ack_wait,
             max_deliver=max_deliver,
             max_ack_pending=1000,
             num_replicas=self.replicas,
-            inactive_threshold=7 * 86400,  # a replica gone for a week leaves no consumer behind
+            inactive_threshold=inactive_s,  # a replica gone for a week leaves no consumer behind
         )
+        if last_per_subject:
+            config = replace(config, name=durable, filter_subject=subject)
         sub = None
         try:
             while not stop.is_set():
                 try:
-                    if sub is None:
+                    if sub is None and last_per_subject:
+                        await self.js.add_consumer(stream, config=config)
+                        sub = await self.js.pull_subscribe_bind(durable, stream)
+                    elif sub is None:
                         sub = await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
                     msgs = await sub.fetch(batch, timeout=0.5)
                 except (asyncio.TimeoutError, nats.errors.TimeoutError):

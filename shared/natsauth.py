@@ -1,8 +1,8 @@
 """Who may connect to the bus, and what each may publish and read: users per role, subject permissions.
 
 Two roles. ``control`` (the services, the gateway, the operator's CLI) may do
-anything. ``agent-<node>`` may read the event log through JetStream consumers and
-publish only about its own node: its reports (``gpuorch.agent.<node>.*``, which the
+anything. ``agent-<node>`` may read its own node's work (``gpuorch.work.<node>.>``,
+not the event log) through JetStream consumers and publish only about its own node: its reports (``gpuorch.agent.<node>.*``, which the
 inventory service checks and appends to the log), its telemetry, its heartbeat key,
 its dead letters; it answers the control plane's requests on ``gpuorch.agentctl.<node>.*``.
 It cannot append to the log, read the token bucket or touch another node's subjects.
@@ -75,9 +75,10 @@ def agent_permissions(node_id: str) -> dict:
             f"gpuorch.dlq.{agent_user(node_id)}.>",
             "$JS.API.INFO",
             "$JS.API.STREAM.INFO.GPUORCH", "$JS.API.STREAM.INFO.KV_gpuorch_heartbeats",
-            "$JS.API.CONSUMER.CREATE.GPUORCH", "$JS.API.CONSUMER.CREATE.GPUORCH.>",
-            "$JS.API.CONSUMER.DURABLE.CREATE.GPUORCH.>", "$JS.API.CONSUMER.INFO.GPUORCH.>",
-            "$JS.API.CONSUMER.MSG.NEXT.GPUORCH.>", "$JS.ACK.GPUORCH.>",
+            # its node's work only (services.inventory.work): a consumer is created by name with its filter in the
+            # subject, so the filter is the permission's to bound; the event log itself it does not read
+            "$JS.API.STREAM.INFO.GPUORCH_WORK", f"$JS.API.CONSUMER.CREATE.GPUORCH_WORK.*.gpuorch.work.{t}.>",
+            "$JS.API.CONSUMER.INFO.GPUORCH_WORK.*", "$JS.API.CONSUMER.MSG.NEXT.GPUORCH_WORK.*", "$JS.ACK.GPUORCH_WORK.>",
         ]},
         "subscribe": {"allow": [f"{agent_inbox(node_id)}.>", f"gpuorch.agentctl.{t}.>"]},
         "allow_responses": True,

@@ -173,11 +173,14 @@ class Service:
         instance: str | None = None,
         snapshots: "SnapshotStore | None" = None,
         exclusive: bool = True,
+        follows_log: bool = True,
     ) -> None:
         """``snapshots``: where this service keeps its snapshot (default: the bus's object store); ``exclusive``:
-        hold the instance name while running (``shared.instance``), so that no two processes share a consumer."""
+        hold the instance name while running (``shared.instance``), so that no two processes share a consumer;
+        ``follows_log``: False for a process that reads no event log (a node agent): only its timers run."""
         self.name = name
         self.exclusive = exclusive
+        self.follows_log = follows_log
         self.snapshots = snapshots
         # each replica has its own durable consumer: replicas sharing one would split the stream between them
         self.instance = re.sub(r"[^A-Za-z0-9_-]", "_", instance if instance is not None else socket.gethostname())
@@ -231,6 +234,8 @@ class Service:
 
     async def _serve(self, log_: EventLog) -> None:
         self.log = log_
+        if not self.follows_log:
+            return await self._run_timers()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         restored = False
@@ -263,6 +268,18 @@ class Service:
             self.fold.running -= 1
             if not self.fold.running:
                 await self.save_snapshot()
+
+    async def _run_timers(self) -> None:
+        self.ready.set()
+        self.metrics.ready.labels(self.name).set(1)
+        timers = [asyncio.create_task(t(self), name=f"{self.name}-timer") for t in self.timers]
+        try:
+            await self.stop_event.wait()
+        finally:
+            for t in timers:
+                t.cancel()
+            if timers:
+                await asyncio.wait(timers, timeout=5)
 
     async def _restore(self, log_: EventLog) -> bool:
         """Load the latest snapshot, parsed in a thread (the event loop keeps answering); False if there is none

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from services.inventory.agent import Agent
+from services.inventory.work import WorkOrder
 from services.inventory.runas import RunAs, RunAsRefused, UserMap, UserMapError, load_user_map, resolve
 from services.inventory.taskdir import (LogNotFound, StateUnreadable, make_task_dir, make_workspace, read_exit,
                                         read_task_log)
 from shared import events as ev
-from shared.cluster import JobRecord
 from shared.eventlog import EventLog
 from shared.profiles import build
 from tests.builders import job
@@ -261,10 +261,10 @@ async def test_a_forged_job_id_makes_the_agent_create_nothing(tmp_path: Path):
     node = build("t4-4x", "n1")
     agent = Agent(node, tmp_path / "work")
     forged = "../../../../forged"
-    agent.proj.jobs[forged] = JobRecord(forged, job("x").gpus(1).build(), state="placed")
-    placed = ev.JobPlaced.model_construct(job_id=forged, placements=(
-        ev.TaskPlacement(task=0, node_id="n1", gpus=(ev.GpuShare(uuid=node.gpus[0].uuid, milli=1000),)),))
-    await agent.start(placed, 1, 0)
+    order = WorkOrder.model_construct(seq=1, job_id=forged, attempt=1, owner="", spec=job("x").gpus(1).build(),
+                                      placements=[ev.TaskPlacement(task=0, node_id="n1", gpus=(
+                                          ev.GpuShare(uuid=node.gpus[0].uuid, milli=1000),))], addresses={})
+    await agent.start(order, 0)
     assert list(tmp_path.iterdir()) == [], "nothing created, inside the work dir or out of it"
     assert agent.tasks == {}
 

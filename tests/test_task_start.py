@@ -10,11 +10,14 @@ from pydantic import ValidationError
 
 from services.inventory import agent as agent_module
 from services.inventory.agent import Agent
+from services.inventory.service import build as build_inventory
+from services.inventory.work import WorkOrder, work_subject
 from shared import events as ev
-from shared.eventlog import EventLog
+from shared.eventlog import WORK_STREAM, EventLog
 from shared.events import Envelope
 from shared.model import MAX_ENV_BYTES, JobSpec
 from shared.profiles import build as build_profile
+from shared.settings import Settings
 from tests.support import in_process_stack, nodes_up, running, until
 
 SCHEDULER = "/gpuorch/scheduler"
@@ -85,28 +88,34 @@ async def test_the_api_answers_422_for_an_environment_above_128_kib(eventlog: Ev
         assert "128 KiB" in r.text
 
 
-async def test_an_agent_starts_a_task_only_for_the_placement_its_projection_accepted(eventlog: EventLog, tmp_path):
-    """A second job.placed for a job already placed (two leaders overlapping) is recorded invalid: the agent
-    starts nothing for it, where reacting to it would run a second copy of the task."""
+async def test_an_agent_starts_a_task_only_for_the_placement_inventory_accepted(eventlog: EventLog, tmp_path):
+    """A second job.placed for a job already placed (two leaders overlapping) is recorded invalid by inventory's
+    fold: it writes no work for it, and the agent starts nothing for it, where reacting to the event would run a
+    second copy of the task."""
     agent = Agent(build_profile("t4-4x", "n1"), tmp_path / "agent", heartbeat_s=60, telemetry_s=60)
+    inventory = build_inventory(Settings(data_dir=tmp_path / "d"))
 
     def placed(gpu: int) -> Envelope:
         share = ev.GpuShare(uuid=agent.node.gpus[gpu].uuid)
         return Envelope(ev.JobPlaced(job_id="j-1", placements=(ev.TaskPlacement(task=0, node_id="n1", gpus=(share,)),)),
                         source=SCHEDULER)
 
-    async with running(agent.svc, eventlog):
+    async with running(inventory, eventlog), running(agent.svc, eventlog):
         first = await eventlog.append_many([
             Envelope(ev.NodeRegistered(node_id="n1", node=agent.node)),
             Envelope(ev.JobSubmitted(job_id="j-1", spec=JobSpec(name="one", command=("true",))), source=SCHEDULER),
             Envelope(ev.JobQueued(job_id="j-1"), source=SCHEDULER),
             placed(0),
         ])
+        await until(lambda: _true((agent.work_dir / "jobs" / "j-1").exists()), 10, "the first placement's task")
         await eventlog.append(placed(1))
-        after = await eventlog.append(Envelope(ev.QueueDefined(path="after", spec={})))  # folded after that reaction
-        await until(lambda: _true(agent.proj.seq >= after), 10, "the agent to fold past the second placement")
+        after = await eventlog.append(Envelope(ev.QueueDefined(path="after", spec={})))  # reacted to after that one
+        await until(lambda: _true(inventory.projection.seq >= after), 10, "inventory to fold past the second placement")
+        await inventory.caught_up(after)
 
-        assert agent.proj.invalid_count == 1 and agent.proj.jobs["j-1"].attempt == first[-1]
+        assert inventory.projection.invalid_count == 1
+        last = await eventlog.js.get_last_msg(WORK_STREAM, work_subject("n1", "j-1"))
+        assert WorkOrder.model_validate_json(last.data).attempt == first[-1], "the work names the first placement"
         assert sorted(d.name for d in (agent.work_dir / "jobs" / "j-1").iterdir()) == [str(first[-1])]
 
 

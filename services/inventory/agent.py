@@ -9,7 +9,9 @@ its agent (``--kill-tasks-on-exit``) records its tasks as interrupted before it
 kills them: they are reported so, now or when it starts again, and their jobs go
 back to the queue.
 
-Reports go through an outbox (``outbox``): in order, retried until the bus
+It reads its node's work (``work``: what inventory writes for it, one message per job
+on its node), not the event log: its bus traffic grows with its own jobs, not the
+cluster's. Reports go through an outbox (``outbox``): in order, retried until the bus
 acknowledges them, whatever the outage; nothing waits on them.
 
 A task gets its job's environment only, and a root agent runs it as its owner
@@ -44,26 +46,25 @@ from services.inventory.taskdir import (ExitRecord, LogNotFound, StateUnreadable
                                         open_log, read_exit, read_pid, read_state, read_task_log, untraversable,
                                         valid_job_id, write_env)
 from services.inventory.taskenv import base_env, task_env
+from services.inventory.work import NODE_NOTICE, STORED, NodeNotice, WorkOrder, node_work
 from shared import events as ev
 from shared.agentctl import LogRequest, XidRequest, answer
 from shared.aio import wait_event
-from shared.cluster import ACTIVE, ClusterProjection
-from shared.eventlog import HEARTBEAT_BUCKET
+from shared.cluster import ClusterProjection
+from shared.eventlog import HEARTBEAT_BUCKET, WORK_STREAM
 from shared.events import Envelope
 from shared.model import NodeInfo
-from shared.natsauth import agent_inbox, control_subject, report_subject, telemetry_subject
-from shared.runtime import Metrics, Service, SnapshotStore
-from shared.telemetry import current_traceparent, span
+from shared.natsauth import agent_inbox, agent_user, control_subject, report_subject, telemetry_subject
+from shared.runtime import Metrics, Service
+from shared.telemetry import current_traceparent, processing, span
 
 log = logging.getLogger("gpuorch.agent")
 STOP_GRACE_S = 10  # for cancel/fail, where the job event carries no grace
 REFUSED = 126  # the shell's "found but cannot run"
 INTERRUPTED = "interrupted"  # a task directory's record: its node stopped under it (the file holds the reason)
+START_REPORTED = "start_reported"  # a task directory's record: the bus acknowledged its start report
 XID_POLL_MS = 500
-
-
-class AgentProjection(ClusterProjection):
-    name = "agent"
+ENDED_KEPT = 10_000  # ended jobs' last words kept in memory (a redelivered older word must not start them again)
 
 
 @dataclass
@@ -134,20 +135,17 @@ class Agent:
         self.outbox = Outbox(node.node_id)
         self.forker = Forker(f"{node.node_id}:{self.work_dir}")
         self.exited = asyncio.Event()  # a task started here has exited: the reaper runs a round now
+        self.orders: dict[str, WorkOrder] = {}  # job id -> its latest word for this node
+        self.work_loaded = asyncio.Event()  # every word there was when the agent started has been read
         self.svc = Service(
             f"agent-{node.node_id}",
-            AgentProjection(),
-            reaction=self.react,
-            timers=[self.register_and_adopt, self.heartbeat, self.telemetry, self.watch_xids, self.reap,
-                    self.serve_control, self.deliver_reports],
+            ClusterProjection(),  # unused: an agent reads its node's work, not the log
+            timers=[self.register_and_adopt, self.follow_work, self.heartbeat, self.telemetry, self.watch_xids,
+                    self.reap, self.serve_control, self.deliver_reports],
             metrics=metrics,
-            snapshots=SnapshotStore(self.work_dir / "snapshots"),  # the bus's store is the control plane's
             exclusive=False,  # one agent per node id; its credentials reach no bucket but its heartbeat
+            follows_log=False,
         )
-
-    @property
-    def proj(self) -> AgentProjection:
-        return self.svc.projection  # type: ignore[return-value]
 
     def report(self, event: ev.Event, event_id: str | None = None, on_acked: Callable[[], None] | None = None) -> None:
         """Report to inventory, which appends it to the log (an agent may not): registration and task reports.
@@ -169,7 +167,80 @@ class Agent:
         if self.switch_user and (closed := untraversable(self.work_dir)):
             log.warning("event=work_dir_closed node=%s dir=%s: tasks run as their owners and cannot reach their "
                         "HOME by its path (they start in it)", self.node.node_id, closed)
+        await self.work_loaded.wait()  # what each task's job is now decides what becomes of it
         await self.adopt()
+
+    async def follow_work(self, svc: Service) -> None:
+        """Read this node's work from each job's latest word on, then follow it (a consumer of this start: after a
+        restart the agent reads its node's current work again)."""
+        assert svc.log is not None
+        subject = node_work(self.node.node_id)
+        while not self.work_loaded.is_set():  # nothing there to read: loaded already
+            try:
+                info = await svc.log.js.stream_info(WORK_STREAM, subjects_filter=subject)
+                if not info.state.subjects:
+                    self.work_loaded.set()
+                break
+            except Exception as e:  # noqa: BLE001 - the bus is away: the consumer below waits for it too
+                log.debug("event=work_info_failed error=%r", e)
+                await asyncio.sleep(0.5)
+        name = f"{agent_user(self.node.node_id)}-{os.urandom(6).hex()}".replace(":", "_")
+        await svc.log.consume(name, self.on_work, stop=svc.stop_event, stream=WORK_STREAM, subject=subject,
+                              last_per_subject=True, inactive_s=600, max_deliver=-1)
+
+    async def on_work(self, _: object, msg: Msg) -> None:
+        try:
+            await self.take(msg.subject, msg.data)
+        except (ValidationError, ValueError) as e:  # only the control plane writes here: logged, never retried
+            log.error("event=work_unreadable subject=%s error=%r", msg.subject, str(e)[:300])
+        except Exception as e:  # noqa: BLE001 - a full disk, say: read again later
+            log.exception("event=work_failed subject=%s", msg.subject)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1)
+            return
+        await msg.ack()
+        if msg.metadata.num_pending == 0:
+            self.work_loaded.set()
+
+    async def take(self, subject: str, body: bytes) -> None:
+        """One word about this node's work: a job's tasks to run, to stop, or an ended job; or the node's notice."""
+        name = subject.rsplit(".", 1)[-1]
+        if name == NODE_NOTICE:
+            notice = NodeNotice.model_validate_json(body)
+            if notice.lost:
+                self.report(ev.NodeRegistered(node_id=self.node.node_id, node=self.node), f"{notice.event_id}-reregistered")
+                log.info("event=reregistered node=%s after=%r", self.node.node_id, notice.lost)
+            return
+        word = WorkOrder.model_validate_json(body, context=STORED)
+        if word.job_id.replace(".", ":") != name:
+            raise ValueError(f"a word about job {word.job_id} on {subject}")
+        before = self.orders.get(word.job_id)
+        if before is not None and before.seq >= word.seq:
+            return  # read already (a redelivery)
+        if word.ended:
+            self.orders[word.job_id] = word
+            self.stop(word.job_id, STOP_GRACE_S)
+            self._forget_ended()
+        elif word.stop_grace_s is not None:
+            kept = before if before is not None and not before.ended else word
+            self.orders[word.job_id] = kept.model_copy(update={"seq": word.seq, "stop_grace_s": word.stop_grace_s})
+            self.stop(word.job_id, word.stop_grace_s)
+        else:
+            self.orders[word.job_id] = word
+            with processing(subject, word.traceparent, self.svc.name):
+                for task in word.tasks_on(self.node.node_id):
+                    with span("agent.task.start", attributes={"gpuorch.job.id": word.job_id, "gpuorch.task": task,
+                                                              "gpuorch.attempt": word.attempt,
+                                                              "gpuorch.node.id": self.node.node_id}):
+                        try:
+                            await self.start(word, task)
+                        except Exception as exc:  # noqa: BLE001 - a task that cannot start fails its job, never its agent
+                            self.cannot_start(word.job_id, word.attempt, task, f"the agent could not start it: {exc}")
+
+    def _forget_ended(self) -> None:
+        ended = [j for j, w in self.orders.items() if w.ended]
+        for job_id in ended[:max(0, len(ended) - ENDED_KEPT)]:
+            del self.orders[job_id]
 
     async def heartbeat(self, svc: Service) -> None:
         assert svc.log is not None
@@ -237,25 +308,6 @@ class Agent:
 
     # --- tasks ------------------------------------------------------------------------------
 
-    async def react(self, env: Envelope) -> None:
-        e = env.data
-        if isinstance(e, ev.JobPlaced):
-            mine = [p for p in e.placements if p.node_id == self.node.node_id]
-            for p in mine:
-                with span("agent.task.start", attributes={"gpuorch.job.id": e.job_id, "gpuorch.task": p.task,
-                                                          "gpuorch.attempt": env.seq, "gpuorch.node.id": p.node_id}):
-                    try:
-                        await self.start(e, env.seq, p.task)
-                    except Exception as exc:  # noqa: BLE001 - a task that cannot start fails its job, never its agent
-                        self.cannot_start(e.job_id, env.seq, p.task, f"the agent could not start it: {exc}")
-        elif isinstance(e, (ev.JobPreempting, ev.JobTimedOut)):
-            self.stop(e.job_id, e.grace_s)
-        elif isinstance(e, (ev.JobCancelled, ev.JobFailed, ev.JobRequeued)):
-            self.stop(e.job_id, STOP_GRACE_S)
-        elif isinstance(e, ev.NodeLost) and e.node_id == self.node.node_id:
-            self.report(ev.NodeRegistered(node_id=self.node.node_id, node=self.node), f"{env.id}-reregistered")
-            log.info("event=reregistered node=%s after=%r", self.node.node_id, e.reason)
-
     def task_dir(self, job_id: str, attempt: int, task: int) -> Path:
         if not valid_job_id(job_id):
             raise ValueError(f"not a job id: {job_id!r}")
@@ -267,31 +319,29 @@ class Agent:
             return agent_account()
         return resolve(owner, self.node.node_id, self.user_map, self.allow_root_tasks)
 
-    async def start(self, placed: ev.JobPlaced, attempt: int, task: int) -> None:
-        if not valid_job_id(placed.job_id):
-            log.warning("event=task_refused job=%r task=%d reason=invalid_job_id", placed.job_id[:100], task)
+    async def start(self, order: WorkOrder, task: int) -> None:
+        attempt = order.attempt
+        if not valid_job_id(order.job_id):
+            log.warning("event=task_refused job=%r task=%d reason=invalid_job_id", order.job_id[:100], task)
             return
-        job = self.proj.jobs.get(placed.job_id)
-        d = self.task_dir(placed.job_id, attempt, task)
-        if job is None or (d / "started").exists():
+        d = self.task_dir(order.job_id, attempt, task)
+        if order.spec is None or (d / "started").exists():
             return  # never start a task twice: a redelivery or an agent restart lands here
-        if job.state not in ("placed", "running"):
-            return  # cancelled or preempted before it could start
-        make_task_dir(self.work_dir, placed.job_id, attempt, task)
+        spec = order.spec
+        make_task_dir(self.work_dir, order.job_id, attempt, task)
         try:
-            user = self.run_as(job.owner)
+            user = self.run_as(order.owner)
         except RunAsRefused as e:
-            self.refuse(Task(placed.job_id, attempt, task, d, 0), str(e))
+            self.refuse(Task(order.job_id, attempt, task, d, 0), str(e))
             return
         home = make_workspace(d, (user.uid, user.gid) if self.switch_user else None)
-        addresses = {n: s.info.address or s.info.hostname for n, s in self.proj.nodes.items()}
         base = base_env(home, user.name, os.path.dirname(sys.executable))
-        env = task_env(placed.job_id, attempt, placed.placements, task, addresses,
-                       {**job.spec.env, **job.spec.secret_env}, base, spec=job.spec)
+        env = task_env(order.job_id, attempt, order.placements, task, order.addresses,
+                       {**spec.env, **spec.secret_env}, base, spec=spec)
         args = ["--cwd", str(home), "--env-file", str(write_env(d, env))]
         if self.switch_user:
             args += ["--uid", str(user.uid), "--gid", str(user.gid), "--groups", ",".join(map(str, user.groups))]
-        command = list(job.spec.command) or ["true"]
+        command = list(spec.command) or ["true"]
         out, err = open_log(d, "stdout"), open_log(d, "stderr")
         try:
             pid = self.forker.launch([*args, str(d / "exit.json"), "--", *command], d, out, err)
@@ -300,16 +350,20 @@ class Agent:
             os.close(err)
         (d / "pid").write_text(str(pid))
         (d / "started").write_text(str(time.time()))
-        t = Task(placed.job_id, attempt, task, d, pid, traceparent=current_traceparent())
+        t = Task(order.job_id, attempt, task, d, pid, traceparent=current_traceparent())
         self.tasks[t.key] = t
         notify_on_exit(pid, self.exited)  # the reaper reports it at once, not at its next round
-        log.info("event=task_started job=%s task=%d attempt=%d pid=%d user=%s uid=%d", placed.job_id, task, attempt,
+        log.info("event=task_started job=%s task=%d attempt=%d pid=%d user=%s uid=%d", order.job_id, task, attempt,
                  pid, user.name, user.uid)
         self.report_started(t)
 
     def report_started(self, t: Task) -> None:
         started = ev.JobTaskStarted(job_id=t.job_id, task=t.task, node_id=self.node.node_id, pid=t.pid, attempt=t.attempt)
-        self.report(started, f"{t.key}-{self.node.node_id}-started")
+
+        def acked() -> None:
+            with contextlib.suppress(OSError):
+                (t.dir / START_REPORTED).write_text("")
+        self.report(started, f"{t.key}-{self.node.node_id}-started", acked)
 
     def cannot_start(self, job_id: str, attempt: int, task: int, reason: str) -> None:
         """Report the task ended with REFUSED: through its directory if it has one (as ``refuse``), else at once."""
@@ -369,10 +423,14 @@ class Agent:
             t = Task(job_id, int(attempt), int(task), d, read_pid(d))
             self.tasks[t.key] = t
             log.info("event=task_adopted job=%s task=%d alive=%s", job_id, t.task, t.alive())
-            job = self.proj.jobs.get(job_id)
-            if t.alive() and (job is None or job.state not in ("placed", "running", "preempting")):
+            order = self.orders.get(job_id)
+            if not t.alive():
+                continue
+            if order is None or order.ended:
                 self.stop(job_id, STOP_GRACE_S)  # it ended while we were away
-            elif t.alive() and job.attempt == t.attempt and t.task not in job.tasks_running:
+            elif order.stop_grace_s is not None:
+                self.stop(job_id, order.stop_grace_s)  # asked to stop while we were away
+            elif order.attempt == t.attempt and not (d / START_REPORTED).exists():
                 self.report_started(t)  # its start report died with the agent that started it
 
     async def reap(self, svc: Service) -> None:
@@ -403,10 +461,10 @@ class Agent:
             await wait_event(self.exited, 0.1)
 
     def superseded(self, t: Task) -> bool:
-        """The job was requeued and holds another place now: an exit of this attempt would end the new one."""
-        job = self.proj.jobs.get(t.job_id)
-        return job is not None and job.state in ACTIVE and (bool(job.attempt) and job.attempt != t.attempt or not any(
-            p.node_id == self.node.node_id and p.task == t.task for p in job.placements))
+        """The job was requeued and holds another place here now: an exit of this attempt would end the new one."""
+        order = self.orders.get(t.job_id)
+        return order is not None and not order.ended and bool(order.attempt) and (
+            order.attempt != t.attempt or t.task not in order.tasks_on(self.node.node_id))
 
     def report_exit(self, t: Task) -> None:
         if self.superseded(t):

@@ -5,10 +5,12 @@ from services.inventory.api import router
 from services.inventory.metrics import InventoryCollector
 from services.inventory.projection import InventoryProjection
 from services.inventory.relay import relay
+from services.inventory.work import work_reaction
 
 
 def build(settings: Settings, metrics: Metrics | None = None) -> Service:
     svc = Service("inventory", InventoryProjection(), router=router, timers=[relay],
                   snapshot_every=settings.snapshot_every, metrics=metrics, instance=settings.instance)
+    svc.reaction = work_reaction(svc)  # each node's work, for its agent
     svc.metrics.own("inventory-collector", lambda r: r.register(InventoryCollector(lambda: svc.projection)))
     return svc

@@ -17,7 +17,7 @@ a later word. An ended job's last word lapses after an hour (``Nats-TTL``).
 
 from __future__ import annotations
 
-import logging
+import asyncio
 
 from nats.js.errors import APIError, NotFoundError
 from pydantic import BaseModel, ConfigDict
@@ -31,7 +31,6 @@ from shared.projection import Projection
 from shared.runtime import Reaction, Service
 from shared.telemetry import current_traceparent
 
-log = logging.getLogger("gpuorch.inventory.work")
 
 WORK_PREFIX = "gpuorch.work"
 NODE_NOTICE = "_node"  # the last token of a node's own notice (job ids start with a letter)
@@ -81,30 +80,45 @@ class NodeNotice(BaseModel):
 class WorkWriter:
     """Writes GPUORCH_WORK, each message only over an older one."""
 
-    def __init__(self, log_: EventLog) -> None:
+    def __init__(self, log_: EventLog, remember: int = 100_000) -> None:
         self.log = log_
+        # subject -> (its stream sequence, its word's seq) as this writer last wrote it: the next word of the same
+        # (node, job) is written without reading it first; a stale guess is refused by the server, then read
+        self.written: dict[str, tuple[int, int]] = {}
+        self.remember = remember
 
     async def put(self, subject: str, word: WorkOrder | NodeNotice, ttl_s: int | None = None) -> None:
         body = word.model_dump_json(exclude_defaults=True).encode()
+        guess = self.written.pop(subject, None)
         for _ in range(10):
-            try:
-                last = await self.log.js.get_last_msg(WORK_STREAM, subject)
-            except NotFoundError:
-                last_seq, last_word = 0, 0
-            else:
-                last_seq, last_word = last.seq or 0, _seq_of(last.data)
+            if guess is None:
+                guess = await self._last(subject)
+            last_seq, last_word = guess
             if last_word >= word.seq:
+                self.written[subject] = guess
                 return  # a later event (or this one, redelivered) wrote it already
             headers = {"Nats-Expected-Last-Subject-Sequence": str(last_seq)}
             if ttl_s:
                 headers["Nats-TTL"] = f"{ttl_s}s"
             try:
-                await self.log.js.publish(subject, body, stream=WORK_STREAM, headers=headers, timeout=5)
-                return
+                ack = await self.log.js.publish(subject, body, stream=WORK_STREAM, headers=headers, timeout=5)
             except APIError as e:
                 if e.err_code != WRONG_LAST_SEQUENCE:
                     raise
+                guess = None  # written meanwhile (another replica), or lapsed: read it
+                continue
+            self.written[subject] = (ack.seq, word.seq)
+            if len(self.written) > self.remember:
+                self.written.pop(next(iter(self.written)))
+            return
         raise RuntimeError(f"{subject}: written over too often while writing seq {word.seq}")
+
+    async def _last(self, subject: str) -> tuple[int, int]:
+        try:
+            last = await self.log.js.get_last_msg(WORK_STREAM, subject)
+        except NotFoundError:
+            return 0, 0
+        return last.seq or 0, _seq_of(last.data)
 
 
 class _Seq(BaseModel):
@@ -158,6 +172,5 @@ def work_reaction(svc: Service) -> Reaction:
             return
         if writer is None:
             writer = WorkWriter(svc.log)
-        for subject, word, ttl in todo:
-            await writer.put(subject, word, ttl)
+        await asyncio.gather(*(writer.put(subject, word, ttl) for subject, word, ttl in todo))  # one per node
     return react

@@ -89,6 +89,10 @@ async def test_a_lagging_writer_never_replaces_a_later_word(eventlog: EventLog):
     assert raw.headers and raw.headers.get("Nats-TTL") == f"{ENDED_TTL_S}s", "an ended job's word lapses"
     await writer.put(subject, WorkOrder(seq=30, job_id="j-1", attempt=30))  # placed again
     assert (await last()).attempt == 30
+    other = WorkWriter(eventlog)  # a second inventory replica, ahead of this one
+    await other.put(subject, WorkOrder(seq=50, job_id="j-1", ended=True))
+    await writer.put(subject, WorkOrder(seq=40, job_id="j-1", stop_grace_s=5))  # its guess of the last word is stale
+    assert (await last()).seq == 50
     info = await eventlog.js.stream_info(WORK_STREAM, subjects_filter=node_work("n1"))
     assert info.state.subjects == {subject: 1}, "one message per (node, job)"
 

@@ -182,3 +182,25 @@ async def test_a_job_finished_long_ago_is_still_readable_from_the_sql_history(ev
             assert time.monotonic() < deadline, r.text
             await asyncio.sleep(0.1)
         assert r.json()["state"] == "cancelled" and r.json()["archived"] is True
+
+
+async def test_an_admission_verdict_is_kept_only_until_the_clusters_shape_changes(eventlog: EventLog):
+    """Verdicts are kept between requests (each judgement builds every node anew): a node that joins must end
+    the 'never' at once."""
+    async with in_process_stack(eventlog) as (client, services):
+        await register(eventlog, node("small").gpus(4).build())
+        big = job("big").gpus(8).build().model_dump(mode="json")
+        await until(lambda: _registered(client, 1), 10, "the node")
+        for _ in range(2):  # the second answer comes from the kept verdict
+            r = await client.post("/v1/jobs", json=big)
+            assert r.status_code == 422 and "no node could ever run this job" in r.text, r.text
+        version = services["scheduler"].projection.shape_version
+        await register(eventlog, node("large").gpus(8).build())
+        await until(lambda: _registered(client, 2), 10, "the second node")
+        assert services["scheduler"].projection.shape_version != version
+        r = await client.post("/v1/jobs", json=big)
+        assert r.status_code == 201, r.text
+
+
+async def _registered(client: httpx.AsyncClient, n: int) -> bool:
+    return len((await client.get("/v1/nodes")).json()) >= n

@@ -207,10 +207,16 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         moved = sorted(set(apart.secret_env) - set(spec.secret_env))
         return [f"env {', '.join(moved)}: named like secrets, kept as secret_env (stored, never shown)"] if moved else []
 
+    judged: dict[str, str | None] = {}  # admission verdicts by shape, while the cluster's shape stays
+    judged_at = [-1]  # the projection's shape_version they were judged at
+
     def admitted(specs: list[JobSpec]) -> list[str | None]:
-        """Each spec's admission_error, judged once per shape (each judgement builds the cluster's nodes anew): the
-        jobs of a batch often differ only in what no placement reads, their name, command and environment."""
-        judged: dict[str, str | None] = {}
+        """Each spec's admission_error, judged once per shape (each judgement builds the cluster's nodes anew) and
+        kept until a node, GPU, queue or pool event changes what it reads: jobs differ mostly in what no placement
+        reads, their name, command and environment."""
+        if proj.shape_version != judged_at[0] or len(judged) > 1024:
+            judged.clear()
+            judged_at[0] = proj.shape_version
         out = []
         for spec in specs:
             shape = spec.model_dump_json(exclude={"name", "command", "env", "secret_env"})

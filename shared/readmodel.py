@@ -131,21 +131,21 @@ class JobHistory:
 
     def apply(self, envs: Iterable[Envelope | Undecodable]) -> int:
         """Fold a batch; events at or below the stored cursor are skipped. Returns how many were applied."""
-        with Session(self.engine) as s, s.begin():
+        envs = list(envs)
+        with Session(self.engine) as s, s.begin(), s.no_autoflush:
             cur = s.get(Cursor, self.name, with_for_update=True) or Cursor(name=self.name, seq=0)
-            rows: dict[str, JobRow | None] = {}
-            applied = 0
-            for env in envs:
-                if env.seq <= cur.seq:
-                    continue
-                cur.seq = env.seq
-                if isinstance(env, Undecodable) or env.data.aggregate != "job":
-                    continue
-                job_id = env.data.job_id
-                if job_id not in rows:
-                    rows[job_id] = s.get(JobRow, job_id)
-                rows[job_id] = fold_row(rows[job_id], env)
-                applied += 1
+            todo = [env for env in envs if env.seq > cur.seq]
+            if todo:
+                cur.seq = max(env.seq for env in todo)
+            todo = [env for env in todo if not isinstance(env, Undecodable) and env.data.aggregate == "job"]
+            # the batch's rows in a few queries, not one per job (a flood's batch holds a thousand new jobs)
+            ids = list(dict.fromkeys(env.data.job_id for env in todo))
+            rows: dict[str, JobRow | None] = dict.fromkeys(ids)
+            for i in range(0, len(ids), 500):
+                rows.update((r.job_id, r) for r in s.exec(select(JobRow).where(JobRow.job_id.in_(ids[i:i + 500]))))
+            for env in todo:
+                rows[env.data.job_id] = fold_row(rows[env.data.job_id], env)
+            applied = len(todo)
             for row in rows.values():
                 if row is not None:
                     s.add(row)

@@ -1,0 +1,133 @@
+"""A snapshot is encoded in a thread (issue 15: on the event loop, one of 20,000 jobs held every request 0.5 to 1.8 s),
+while every fold of the process waits: the thread reads the projection itself, so a fold during it would make a
+snapshot whose state is not the state at its sequence. These tests park the thread and keep appending."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+import pytest
+from pydantic_core import to_json
+
+from bench.workload import workload
+from services.quota.projection import QuotaProjection
+from services.scheduler.projection import SchedulerProjection
+from shared.eventlog import EventLog, Undecodable
+from shared.projection import CHUNK, encode_json
+from shared.projection import Projection
+from shared.runtime import Service, fold_once
+from tests.support import eventually, running
+
+
+class Recorded:
+    """A snapshot store that keeps every snapshot saved, and has none to restore."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[int, bytes]] = []
+
+    async def load_snapshot(self, name: str) -> None:
+        return None
+
+    async def save_snapshot(self, name: str, seq: int, state: bytes) -> None:
+        self.saved.append((seq, state))
+
+
+def park_the_first_snapshot(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, threading.Event, list[int]]:
+    """The first ``state()`` read outside the event loop's thread (a snapshot's) waits for the test's word: (set
+    once it waits, the word, the sequence the projection was at when it began)."""
+    loop, parked, release, at = asyncio.get_running_loop(), asyncio.Event(), threading.Event(), []
+    real = SchedulerProjection.state
+
+    def state(self: SchedulerProjection) -> dict:
+        if threading.current_thread() is not threading.main_thread() and not at:
+            at.append(self.seq)
+            loop.call_soon_threadsafe(parked.set)
+            release.wait(30)
+        return real(self)
+
+    monkeypatch.setattr(SchedulerProjection, "state", state)
+    return parked, release, at
+
+
+async def replayed_to(log: EventLog, seq: int, kind: type[Projection] = SchedulerProjection) -> Projection:
+    proj = kind()
+    async for rec in log.replay(1):
+        if rec.seq > seq:
+            break
+        proj.skip(rec.seq) if isinstance(rec, Undecodable) else proj.apply(rec)
+    return proj
+
+
+async def test_a_snapshot_taken_while_events_keep_arriving_restores_to_the_state_at_its_sequence(
+        eventlog: EventLog, monkeypatch: pytest.MonkeyPatch):
+    """Two services of one process share the projection (fold_once): while the one that took the snapshot waits
+    for it, the other's consumer is handed the next events, and must not fold them."""
+    envs = list(workload(600))
+    parked, release, at = park_the_first_snapshot(monkeypatch)
+    store = Recorded()
+    svc, other = (Service(name, kind(), snapshot_every=100, snapshots=store)
+                  for name, kind in (("scheduler", SchedulerProjection), ("quota", QuotaProjection)))
+    fold_once([svc, other])
+    kind = type(svc.projection)
+    try:
+        async with running(svc, eventlog), running(other, eventlog):
+            await eventlog.append_many(envs[:150])
+            await asyncio.wait_for(parked.wait(), 15)  # the thread reads the projection, and waits
+            await eventlog.append_many(envs[150:])  # meanwhile the log moves on: the consumer is handed these
+            # a fold now would change what the thread reads: give one the time to happen, then look
+            with contextlib.suppress(AssertionError):
+                await eventually(lambda: svc.projection.seq > at[0], timeout=1, what="a fold during the snapshot")
+            assert svc.projection.seq == at[0], "no event folded while the snapshot's thread read the projection"
+            assert not svc.fold.open.is_set()
+            release.set()
+            await eventually(lambda: svc.projection.seq == len(envs), what="the folds to resume")
+            await eventually(lambda: len(store.saved) >= 1, what="the snapshot to be saved")
+    finally:
+        release.set()
+
+    seq, blob = store.saved[0]
+    assert seq == at[0] and 100 <= seq < len(envs)
+    restored = kind()
+    restored.restore(blob)
+    expected = await replayed_to(eventlog, seq, kind)
+    assert (restored.seq, restored.applied) == (seq, expected.applied)
+    assert restored.digest() == expected.digest(), "the snapshot is the state at its sequence"
+    last_seq, last = store.saved[-1]  # the one taken on the way out
+    assert last_seq == len(envs)
+    final = kind()
+    final.restore(last)
+    assert final.digest() == (await replayed_to(eventlog, last_seq, kind)).digest()
+
+
+async def test_the_folds_wait_for_the_snapshots_thread_even_when_the_snapshot_is_cancelled(
+        monkeypatch: pytest.MonkeyPatch):
+    """A stop that cancels a service waiting for its snapshot does not let a fold run under the thread."""
+    parked, release, _ = park_the_first_snapshot(monkeypatch)
+    svc = Service("scheduler", SchedulerProjection())
+    for env in workload(50):
+        svc.projection.apply(env)
+    task = asyncio.create_task(svc._snapshot_in_thread())
+    try:
+        await asyncio.wait_for(parked.wait(), 15)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert not svc.fold.open.is_set(), "the thread still reads the projection: the folds still wait"
+        release.set()
+        await asyncio.wait_for(svc.fold.open.wait(), 15)
+    finally:
+        release.set()
+
+
+def test_the_snapshot_is_written_in_pieces_byte_for_byte_as_one_call_would():
+    proj = SchedulerProjection()
+    for env in workload(3000):
+        proj.apply(env)
+    assert len(proj.jobs) > CHUNK
+    doc = {"seq": proj.seq, "state": proj.state()}
+    assert encode_json(doc) == to_json(doc)
+    for value in ({}, [], {"a": {}}, list(range(CHUNK * 2 + 1)), {str(i): [i] for i in range(CHUNK + 1)},
+                  {1: "int keys", 2: {"x": 1}}, {"é\"\n": ["ü", None, 1.5, True]}, (1, 2), "s", 3):
+        assert encode_json(value) == to_json(value), value

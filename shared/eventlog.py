@@ -159,18 +159,19 @@ class EventLog:
         self.js = nc.jetstream(publish_async_max_pending=8192)
         self.replicas = replicas
         self.delete_temporary = True  # replays delete their temporary consumer when done
-        self._sinks: dict[int, Callable[[bytes, bytes, bytes], None]] = {}  # subscription id -> raw (subject, reply, body)
+        # subscription id -> raw receiver of (subject, reply, body, header block)
+        self._sinks: dict[int, Callable[[bytes, bytes, bytes, bytes | None], None]] = {}
         # the services of one process each consume every event: the first decodes it, the others reuse that
         self._decoded: OrderedDict[int, tuple[bytes, Record]] = OrderedDict()  # seq -> (body, record), latest last
         process_msg = nc._process_msg
 
         async def _process_msg(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
-            """A replay's messages go straight to its receiver: no header parse, no Msg, no queue and task hop
+            """A replay's or a consumer's messages go straight to its receiver: no queue and task hop per message
             (the body is the whole CloudEvent; the reply subject holds the sequence). Everything else as usual."""
             sink = self._sinks.get(sid)
             if sink is None:
                 return await process_msg(sid, subject, reply, data, headers)
-            sink(subject, reply, data)
+            sink(subject, reply, data, headers)
 
         nc._process_msg = _process_msg  # type: ignore[method-assign]  # the parser calls it per message
 
@@ -528,7 +529,7 @@ class EventLog:
         arrived = asyncio.Event()
         want = 0
 
-        def collect(subject: bytes, reply: bytes, body: bytes) -> None:
+        def collect(subject: bytes, reply: bytes, body: bytes, _: bytes | None) -> None:
             got.append((subject, reply, body))
             if len(got) >= want or not reply:  # a status message (timeout, no messages) ends a round
                 arrived.set()
@@ -628,24 +629,56 @@ class EventLog:
         )
         if last_per_subject:
             config = replace(config, name=durable, filter_subject=subject)
+        # a streaming pull: one request for up to ``batch`` messages, each handled as it arrives (nats-py's fetch
+        # hands them over one awaited queue read, task and uuid at a time: a tenth of a process's CPU, times its
+        # consumers); the next request goes out when this one is used up or over (a status: expired, or worse)
+        inbox = self.nc.new_inbox()
+        got: list[Msg] = []
+        arrived = asyncio.Event()
+        state = {"left": 0, "status": 0}  # messages the open request may still bring; its closing status
+
+        def collect(subject_: bytes, reply: bytes, body: bytes, headers: bytes | None) -> None:
+            if reply:
+                got.append(Msg(_client=self.nc, subject=subject_.decode(), reply=reply.decode(), data=body,
+                               headers=_parse_header_lines(headers) if headers else None))
+                state["left"] -= 1
+            else:  # NATS/1.0 408 Request Timeout (expired), 409 (consumer deleted, leader changed), 503, ...
+                state["status"] = int(headers[9:12]) if headers and headers[9:12].isdigit() else 0
+                state["left"] = 0
+            arrived.set()
+
+        expires_s = 0.5
+        ready = False
         sub = None
         try:
             while not stop.is_set():
                 try:
-                    if sub is None and last_per_subject:
-                        await self.js.add_consumer(stream, config=config)
-                        sub = await self.js.pull_subscribe_bind(durable, stream)
-                    elif sub is None:
-                        sub = await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
-                    msgs = await sub.fetch(batch, timeout=0.5)
-                except (asyncio.TimeoutError, nats.errors.TimeoutError):
-                    continue
+                    if not ready:
+                        await self._ensure_consumer(stream, durable, config)
+                        if sub is None:
+                            sub = await self.nc.subscribe(inbox)
+                            self._sinks[sub._id] = collect
+                        ready, state["left"] = True, 0
+                    if state["left"] <= 0:
+                        if state["status"] not in (0, 408):
+                            raise nats.errors.Error(f"pull ended with status {state['status']}")
+                        state["left"], state["status"] = batch, 0
+                        body = json.dumps({"batch": batch, "expires": int(expires_s * 1e9)}).encode()
+                        await self.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", body, reply=inbox)
+                    if not got and not await wait_event(arrived, expires_s + 0.25):
+                        # no answer when it expired (a reconnect lost the request): ask again; a late answer only
+                        # means two requests were open a moment, and none of their messages is lost
+                        state["left"] = 0
+                        continue
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
                         nats.errors.NoRespondersError, APIError, nats.errors.Error, OSError) as e:
                     log.info("consumer=%s waiting for nats error=%r", durable, e)
-                    sub = None
+                    ready, state["status"] = False, 0
                     await asyncio.sleep(0.25)
                     continue
+                arrived.clear()
+                msgs = got[:]
+                got.clear()
                 for msg in msgs:
                     try:
                         await handler(self._decode_shared(msg) if stream == STREAM else None, msg)
@@ -653,10 +686,16 @@ class EventLog:
                         log.exception("consumer=%s handler failed seq=%d", durable, msg.metadata.sequence.stream)
         finally:  # also when cancelled: a subscription left behind would hold up the connection's drain
             if sub is not None:
-                try:
+                self._sinks.pop(sub._id, None)
+                with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-                except Exception:  # noqa: BLE001
-                    pass
+
+    async def _ensure_consumer(self, stream: str, durable: str, config: api.ConsumerConfig) -> None:
+        """The durable as it is if it exists (it resumes where it was acknowledged), else created with ``config``."""
+        try:
+            await self.js.consumer_info(stream, durable)
+        except NotFoundError:
+            await self.js.add_consumer(stream, config=config)
 
     def _decode_shared(self, msg: Msg, keep: int = 2048) -> Record:
         """Decode a consumed event once per connection: the same sequence with the same body is the same record

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from services import cli
 from shared import events as ev
-from shared.eventlog import STREAM, EventLog
+from shared.eventlog import STREAM, WORK_STREAM, EventLog
 from shared.events import Envelope
 from shared.natsd import NatsCluster, find_binary, free_port
 from services.stack import SERVICES, api_auth, build_service
@@ -39,8 +39,8 @@ def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
         cluster.stop()
 
 
-async def durable_replicas(log: EventLog) -> dict[str, int]:
-    return {c.name: c.config.num_replicas for c in await log.js.consumers_info(STREAM) if c.config.durable_name}
+async def durable_replicas(log: EventLog, stream: str = STREAM) -> dict[str, int]:
+    return {c.name: c.config.num_replicas for c in await log.js.consumers_info(stream) if c.config.durable_name}
 
 
 async def test_the_stack_at_three_replicas_makes_everything_r3_on_a_fresh_cluster_and_survives_a_node(
@@ -59,17 +59,18 @@ async def test_the_stack_at_three_replicas_makes_everything_r3_on_a_fresh_cluste
         agent.work.mkdir(parents=True)
         agent.start()
 
-        async def agent_consumer() -> dict[str, int] | None:
-            found = await durable_replicas(log)
-            return found if any(name.startswith("svc-agent-n1-") for name in found) else None
+        async def agent_consumer() -> dict[str, int] | None:  # it follows its node's work, not the log
+            found = await durable_replicas(log, WORK_STREAM)
+            return found if any(name.startswith("agent-n1-") for name in found) else None
 
-        consumers = await until(agent_consumer, 30, "the agent's durable consumer")
+        assert set((await until(agent_consumer, 30, "the agent's durable consumer")).values()) == {3}
+        consumers = await durable_replicas(log)
         await services["scheduler"].save_snapshot()  # the object store is made on the first snapshot
         host = socket.gethostname().replace(".", "_")
         assert {f"svc-{s}-{host}" for s in services} <= set(consumers), consumers
         assert set(consumers.values()) == {3}, consumers
         streams = {s.config.name: s.config.num_replicas for s in await log.js.streams_info()}
-        for name in ("GPUORCH", "GPUORCH_DLQ", "GPUORCH_TELEMETRY", "GPUORCH_AGENT", "KV_gpuorch_heartbeats",
+        for name in ("GPUORCH", "GPUORCH_DLQ", "GPUORCH_TELEMETRY", "GPUORCH_AGENT", "GPUORCH_WORK", "KV_gpuorch_heartbeats",
                      "KV_gpuorch_leases", "KV_gpuorch_instances", "KV_gpuorch_tokens", "OBJ_gpuorch-snapshots"):
             assert streams.get(name) == 3, (name, streams)
 

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.openb [--nodes NODE_CSV] [--pods POD_CSV[,POD_CSV...]|all]
         [--workloads all|NAME[,NAME...]]
         [--policies random,dotprod,gpupacking,gpuclustering,bestfit,fgd,fgd+] [--seeds 42-51]
-        [--workers 2] [--json] [--markdown FILE] [--plot DIR]
+        [--workers 2] [--json] [--markdown FILE] [--plot DIR] [--compare fgd+:fgd]
 
 Method (services/simulation/paper.py, /work/shared/FGD_METHOD.md): per seed, the
 name-sorted pods are shuffled and resampled up to 130 % of the cluster's GPUs, then
@@ -136,6 +136,43 @@ def table(workload: str, results: dict[str, dict], seeds: list[int], seconds: di
     return "\n".join(lines)
 
 
+COMPARE_POINTS = (90, 95, 100, 130)  # 90 and 95: before saturation, where dropped big pods show
+
+
+def compare(done: dict[str, dict[str, list]], new: str, old: str, seeds: list[int]) -> str | None:
+    """Paired by seed: per workload, the mean and worst seed of ``new`` minus ``old`` (allocation points), then the
+    mean over workloads; None unless both policies ran."""
+    rows = []
+    means: dict[int, list[float]] = {x: [] for x in COMPARE_POINTS}
+    for name, by_policy in done.items():
+        if new not in by_policy or old not in by_policy:
+            continue
+        pairs = list(zip((c for c, _ in by_policy[new]), (c for c, _ in by_policy[old])))
+        cells = []
+        for x in COMPARE_POINTS:
+            d = [a[x] - b[x] for a, b in pairs if x in a and x in b]
+            if not d:
+                cells.append("-")
+                continue
+            means[x].append(statistics.fmean(d))
+            cells.append(f"{statistics.fmean(d):+.2f} (worst {min(d):+.2f})")
+        at130 = [a[130] for a, _ in pairs if 130 in a], [b[130] for _, b in pairs if 130 in b]
+        head = (f"{statistics.fmean(at130[1]):.2f} | {statistics.fmean(at130[0]):.2f}" if all(at130) else "- | -")
+        rows.append(f"| {name} | {head} | {' | '.join(cells)} |")
+    if not rows:
+        return None
+    mean_cells = [f"{statistics.fmean(v):+.2f}" if v else "-" for v in means.values()]
+    return "\n".join([
+        f"### {NAMES.get(new, new)} minus {NAMES.get(old, old)}, paired by seed ({len(seeds)} seeds: {seeds[0]}-{seeds[-1]})",
+        "",
+        f"| workload | {NAMES.get(old, old)} @130 | {NAMES.get(new, new)} @130 | "
+        + " | ".join(f"diff @{x}" for x in COMPARE_POINTS) + " |",
+        "|---|---|---|" + "---|" * len(COMPARE_POINTS),
+        *rows,
+        f"| mean of the {len(rows)} | | | {' | '.join(mean_cells)} |",
+    ])
+
+
 def plot(workload: str, runs: dict[str, list[dict[int, float]]], path: Path) -> None:
     """Fig. 9a's view: unallocated GPU % against arrived load, median over seeds."""
     import matplotlib
@@ -174,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object per workload on stdout")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
     ap.add_argument("--plot", type=Path, default=None, help="write openb_<workload>.png into this directory")
+    ap.add_argument("--compare", default="fgd+:fgd",
+                    help="NEW:OLD: also print (and write to --markdown) NEW minus OLD per workload, paired by seed, when "
+                         "both ran; not with --json ('' to skip)")
     args = ap.parse_args(argv)
 
     policies = [p for p in args.policies.split(",") if p]
@@ -222,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         md += [table(name, results, seeds, seconds), ""]
         if args.plot:
             plot(name, {pol: [c for c, _ in rows] for pol, rows in by_policy.items()}, args.plot / f"openb_{name}.png")
+    if args.compare and not args.json:
+        new, _, old = args.compare.partition(":")
+        if (cmp := compare(done, new, old, seeds)) is not None:
+            print(cmp + "\n")
+            md += [cmp, ""]
     print(f"wall time {wall:.0f} s ({len(jobs)} runs, {args.workers} workers)", file=sys.stderr)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Response
 from fastapi.responses import PlainTextResponse
@@ -98,6 +98,7 @@ class Metrics:
 
 
 Reaction = Callable[[Envelope], Awaitable[None]]
+T = TypeVar("T")
 
 
 class Fold:
@@ -118,6 +119,7 @@ class Fold:
         # fold of the process waits for it, so that the snapshot is the state at one sequence
         self.open = asyncio.Event()
         self.open.set()
+        self.readers = 0  # threads reading the projection now (Service.read_in_thread): open again at none
         self.snapshotting = asyncio.Lock()  # one snapshot at a time
 
 
@@ -320,16 +322,29 @@ class Service:
                 log.warning("service=%s snapshot failed error=%r", self.name, e)
 
     async def _snapshot_in_thread(self) -> tuple[int, bytes]:
-        """(sequence, snapshot) encoded in a thread while no fold runs. The folds resume when the thread is done,
-        not before, even if this is cancelled (a stop that took too long): the thread still reads the projection."""
-        fold, proj = self.fold, self.projection
+        """(sequence, snapshot) encoded in a thread while no fold runs (``read_in_thread``)."""
+        proj = self.projection
+        return await self.read_in_thread(lambda: (proj.seq, proj.snapshot()))
+
+    async def read_in_thread(self, read: Callable[[], T]) -> T:
+        """``read()`` (which reads the projection and changes nothing) in a thread while no fold of the process
+        runs: the event loop keeps answering meanwhile, where a long read on it (a snapshot, a scheduling cycle
+        over 20,000 pending jobs) held every request up to seconds. The folds resume when the last such thread is
+        done, not before, even if this is cancelled (a stop that took too long): the thread still reads."""
+        fold = self.fold
+        fold.readers += 1
         fold.open.clear()
+
+        def release(_: object = None) -> None:
+            fold.readers -= 1
+            if not fold.readers:
+                fold.open.set()
         try:
-            done = asyncio.get_running_loop().run_in_executor(None, lambda: (proj.seq, proj.snapshot()))
+            done = asyncio.get_running_loop().run_in_executor(None, read)
         except BaseException:
-            fold.open.set()
+            release()
             raise
-        done.add_done_callback(lambda _: fold.open.set())
+        done.add_done_callback(release)
         return await asyncio.shield(done)
 
     # --- events ----------------------------------------------------------------------

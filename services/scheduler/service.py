@@ -94,7 +94,9 @@ class Scheduler:
     async def run_once(self) -> Plan:
         now = self.clock()
         t0, started = time.perf_counter(), time.time_ns()
-        plan = decide(self.proj, self.policy, now, self.settings.half_life_s, self.settings.reclaim_after_s)
+        # in a thread, folds held: a cycle over a large backlog takes a second, which the API's requests would wait
+        plan = await self.svc.read_in_thread(lambda: decide(self.proj, self.policy, now, self.settings.half_life_s,
+                                                            self.settings.reclaim_after_s))
         self.svc.metrics.cycle_seconds.labels("scheduler").observe(time.perf_counter() - t0)
         self.events.placements.observe(len(plan.placements))
         # a cycle that decided something is a trace of its own (an idle tick makes none); each job's decision is a

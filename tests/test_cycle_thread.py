@@ -1,0 +1,52 @@
+"""The scheduling cycle reads the projection in a thread while every fold of the process waits (issue 15: over
+20,000 pending jobs a cycle took seconds, and on the event loop every request waited that long)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+import pytest
+
+from services.scheduler import service as scheduler_service
+from shared import events as ev
+from shared.eventlog import EventLog
+from shared.events import Envelope
+from tests.builders import node
+from tests.support import in_process_stack, until
+
+
+async def test_the_api_answers_while_a_cycle_reads_and_no_event_is_folded_under_it(eventlog: EventLog,
+                                                                                   monkeypatch: pytest.MonkeyPatch):
+    loop, parked, release, at = asyncio.get_running_loop(), asyncio.Event(), threading.Event(), []
+    armed = threading.Event()  # the stack is up: the next cycle's read waits for the test
+    real = scheduler_service.decide
+
+    def decide(proj, *a, **kw):
+        if armed.is_set() and threading.current_thread() is not threading.main_thread() and not at:
+            at.append(proj.seq)
+            loop.call_soon_threadsafe(parked.set)
+            release.wait(30)
+        return real(proj, *a, **kw)
+
+    monkeypatch.setattr(scheduler_service, "decide", decide)
+    async with in_process_stack(eventlog) as (client, services):
+        proj = services["scheduler"].projection
+        armed.set()
+        try:
+            await eventlog.append(Envelope(ev.NodeRegistered(node_id="n1", node=node("n1").gpus(4).build())))
+            await asyncio.wait_for(parked.wait(), 15)  # a cycle reads the projection in a thread, and waits
+            seq = await eventlog.append(Envelope(ev.NodeRegistered(node_id="n2", node=node("n2").gpus(4).build())))
+            r = await asyncio.wait_for(client.get("/v1/nodes"), 10)  # the loop is free: it answers meanwhile
+            assert r.status_code == 200
+            with contextlib.suppress(AssertionError):  # give a fold the time to happen, then look
+                await until(lambda: _true(proj.seq >= seq), 1.0)
+            assert proj.seq == at[0], "an event was folded under the cycle's thread"
+        finally:
+            release.set()
+        await until(lambda: _true(proj.seq >= seq), 10, "the folds to resume once the cycle is done")
+
+
+async def _true(value: bool) -> bool:
+    return value

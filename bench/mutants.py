@@ -118,6 +118,17 @@ RULES: dict[str, Rule] = {
     "reasons are state": Rule("a waiting job's reason is logged when its kind changes, else at most every "
                               "reason_refresh_s", ("tests/scheduler/test_reason_log.py",)),
     "gates hold everywhere": Rule("a gated job takes no placement, reservation, eviction or reclaim", (GATES_T,)),
+    # --- the boundary and the throughput work of issue 15 -------------------------------------------------------------
+    "work only over an older word": Rule("a node's work is written only over an older word: a lagging or redelivered "
+                                         "writer never replaces a later one", ("tests/inventory/test_work.py",)),
+    "agents read their own node": Rule("an agent's bus permissions let it follow its own node's work, neither "
+                                       "another node's nor the log", ("tests/inventory/test_work.py",)),
+    "no task reaches the forker": Rule("a forked launcher keeps no socket of the forker, and leads its own session "
+                                       "before its pid is answered", ("tests/inventory/test_forker.py",)),
+    "no fold under a reader": Rule("while a thread reads the projection (a snapshot, a cycle) no fold runs",
+                                   ("tests/test_cycle_thread.py", "tests/test_snapshot_thread.py")),
+    "admission verdicts renewed": Rule("a kept admission verdict ends when a node, GPU, queue or pool event arrives",
+                                       ("tests/test_scheduler_stack.py",)),
 }
 
 
@@ -353,6 +364,19 @@ MUTANTS: tuple[Mutant, ...] = (
       "    return logged_at is None or now - logged_at >= refresh_s", "    return logged_at is None"),
     M("gates-ignored-at-allocation", "gates hold everywhere", CORE,
       "        return self.gates.blocked(job) or self.over_limit(job)", "        return self.over_limit(job)"),
+    # --- issue 15 ---------------------------------------------------------------------------------------------------
+    M("work-overwrites-a-later-word", "work only over an older word", "services/inventory/work.py",
+      "            if last_word >= word.seq:", "            if False:"),
+    M("agent-reads-every-nodes-work", "agents read their own node", "shared/natsauth.py",
+      'f"$JS.API.CONSUMER.CREATE.GPUORCH_WORK.*.gpuorch.work.{t}.>"', '"$JS.API.CONSUMER.CREATE.GPUORCH_WORK.>"'),
+    M("launcher-keeps-the-forkers-socket", "no task reaches the forker", "services/inventory/launcher.py",
+      "        sock.close()\n        os.setsid()", "        os.setsid()"),
+    M("pid-answered-before-the-session", "no task reaches the forker", "services/inventory/launcher.py",
+      "        os.read(ready_r, 1)", "        pass"),
+    M("folds-run-under-a-reader", "no fold under a reader", "shared/runtime.py",
+      "        fold.readers += 1\n        fold.open.clear()\n", "        fold.readers += 1\n"),
+    M("admission-verdicts-kept-forever", "admission verdicts renewed", "services/scheduler/projection.py",
+      "            self.shape_version = next(_VERSIONS)\n        return changed", "        return changed"),
 )
 
 

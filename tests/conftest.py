@@ -117,3 +117,19 @@ def agents(tmp_path: Path, nats_url: str):
     yield make
     for a in made:
         a.stop_everything()
+
+
+@pytest.fixture
+def secured(tmp_path: Path):
+    """A nats-server that admits only its users: ``control`` and the agents of nodes n1 and n2. (server, creds)"""
+    from shared.natsauth import Credentials
+
+    creds = Credentials(tmp_path / "nats" / "auth")
+    creds.control()
+    creds.agent("n1")
+    creds.agent("n2")
+    server = NatsServer(tmp_path / "nats", credentials=creds).start()
+    try:
+        yield server, creds
+    finally:
+        server.stop()

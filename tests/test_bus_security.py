@@ -19,19 +19,6 @@ from shared.settings import Settings
 from tests.support import eventually, running
 
 
-@pytest.fixture
-def secured(tmp_path: Path):
-    creds = Credentials(tmp_path / "nats" / "auth")
-    creds.control()
-    creds.agent("n1")
-    creds.agent("n2")
-    server = NatsServer(tmp_path / "nats", credentials=creds).start()
-    try:
-        yield server, creds
-    finally:
-        server.stop()
-
-
 async def _quiet(e: Exception) -> None:
     pass
 

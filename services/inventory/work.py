@@ -151,14 +151,18 @@ def orders(env: Envelope, proj: Projection) -> list[tuple[str, WorkOrder | NodeN
              "placements": list(e.placements), "addresses": addresses, "traceparent": current_traceparent()},
             context=STORED)
         return [(work_subject(n, e.job_id), order, None) for n in nodes]
-    # the nodes of every placement the job had: the fold may be past this event (another service of the process
-    # folded later ones), and a node that holds none of it has no message to replace
+    # the nodes of the placements the job has as folded (the reaction adds every node holding a word of it)
     nodes = list(dict.fromkeys(p.node_id for p in [*job.last_placements, *job.placements]))
+    word, ttl = stop_word(env)
+    return [(work_subject(n, e.job_id), word, ttl) for n in nodes]
+
+
+def stop_word(env: Envelope) -> tuple[WorkOrder, int | None]:
+    """A stop (with the event's grace) or an end (lapsing) of the event's job, for every node that holds it."""
+    e = env.data
     if isinstance(e, GRACE):
-        word = WorkOrder(seq=env.seq, job_id=e.job_id, stop_grace_s=e.grace_s)
-        return [(work_subject(n, e.job_id), word, None) for n in nodes]
-    word = WorkOrder(seq=env.seq, job_id=e.job_id, ended=True)
-    return [(work_subject(n, e.job_id), word, ENDED_TTL_S) for n in nodes]
+        return WorkOrder(seq=env.seq, job_id=e.job_id, stop_grace_s=e.grace_s), None
+    return WorkOrder(seq=env.seq, job_id=e.job_id, ended=True), ENDED_TTL_S
 
 
 def work_reaction(svc: Service) -> Reaction:
@@ -168,6 +172,12 @@ def work_reaction(svc: Service) -> Reaction:
     async def react(env: Envelope) -> None:
         nonlocal writer
         todo = orders(env, svc.projection)
+        if isinstance(env.data, (*GRACE, *ENDS)) and env.data.job_id in svc.projection.jobs:
+            # and every node that holds a word of the job: the fold may be past this event (the job placed again
+            # elsewhere since); a node that holds a later word keeps it (WorkWriter)
+            word, ttl = stop_word(env)
+            held = await svc.log.js.stream_info(WORK_STREAM, subjects_filter=work_subject("*", env.data.job_id))
+            todo = [(subject, word, ttl) for subject in {*(s for s, _, _ in todo), *(held.state.subjects or {})}]
         if not todo:
             return
         if writer is None:

@@ -9,14 +9,13 @@ import nats
 import pytest
 
 from services.inventory.agent import Agent
-from services.inventory.work import (ENDED_TTL_S, NodeNotice, WorkOrder, WorkWriter, node_work, orders,
+from services.inventory.work import (ENDED_TTL_S, NodeNotice, WorkOrder, WorkWriter, node_work, orders, work_reaction,
                                      work_subject)
 from shared import events as ev
 from shared.cluster import ClusterProjection
 from shared.eventlog import WORK_STREAM, EventLog
 from shared.events import Envelope
-from shared.natsauth import Credentials, agent_inbox
-from shared.natsd import NatsServer
+from shared.natsauth import agent_inbox
 from shared.profiles import build as build_profile
 from tests.builders import job
 from tests.support import in_process_stack, nodes_up, running, until
@@ -121,18 +120,6 @@ async def _true(value: bool) -> bool:
     return value
 
 
-@pytest.fixture
-def secured(tmp_path):
-    creds = Credentials(tmp_path / "nats" / "auth")
-    creds.control()
-    creds.agent("n1")
-    server = NatsServer(tmp_path / "nats", credentials=creds).start()
-    try:
-        yield server, creds
-    finally:
-        server.stop()
-
-
 async def test_an_agent_may_follow_its_own_nodes_work_and_neither_another_nodes_nor_the_log(secured):
     server, creds = secured
     control = creds.control()
@@ -161,3 +148,22 @@ async def test_an_agent_may_follow_its_own_nodes_work_and_neither_another_nodes_
     finally:
         await nc.close()
         await log.close()
+
+
+async def test_an_end_reaches_every_node_holding_the_job_though_the_fold_shows_it_elsewhere_now(eventlog: EventLog):
+    """In one process the shared projection may be past the event a reaction handles: the job was requeued and
+    placed on another node since. The node of the first placement must still hear that it ended."""
+    import types
+
+    proj, envs = folded(registered("n1"), registered("n2"), ev.JobSubmitted(job_id="j-1", spec=job("x").build()),
+                        ev.JobQueued(job_id="j-1"), gang_on("n1"), ev.JobRequeued(job_id="j-1", reason="node lost"),
+                        gang_on("n2"))
+    first, requeued = envs[4], envs[5]
+    react = work_reaction(types.SimpleNamespace(projection=proj, log=eventlog))
+    await react(first)
+    await react(requeued)  # the fold is at the second placement already
+    last = WorkOrder.model_validate_json((await eventlog.js.get_last_msg(WORK_STREAM, work_subject("n1", "j-1"))).data)
+    assert (last.seq, last.ended) == (requeued.seq, True), "n1 heard of the end"
+    await react(envs[6])
+    last = WorkOrder.model_validate_json((await eventlog.js.get_last_msg(WORK_STREAM, work_subject("n2", "j-1"))).data)
+    assert (last.attempt, last.ended) == (envs[6].seq, False), "the second placement stands on n2"

@@ -181,13 +181,19 @@ class Service:
         snapshots: "SnapshotStore | None" = None,
         exclusive: bool = True,
         follows_log: bool = True,
+        reactions_at_once: int = 1,
     ) -> None:
         """``snapshots``: where this service keeps its snapshot (default: the bus's object store); ``exclusive``:
         hold the instance name while running (``shared.instance``), so that no two processes share a consumer;
-        ``follows_log``: False for a process that reads no event log (a node agent): only its timers run."""
+        ``follows_log``: False for a process that reads no event log (a node agent): only its timers run;
+        ``reactions_at_once``: reactions that may run together, each settling its own event, while the folds go on
+        in order (for a reaction that is correct in any order, such as inventory's work writes)."""
         self.name = name
         self.exclusive = exclusive
         self.follows_log = follows_log
+        self.reacting: set[asyncio.Task] = set()  # reactions running beside the fold (reactions_at_once > 1)
+        self.reaction_slots = asyncio.Semaphore(reactions_at_once)
+        self.reactions_at_once = reactions_at_once
         self.snapshots = snapshots
         # each replica has its own durable consumer: replicas sharing one would split the stream between them
         self.instance = re.sub(r"[^A-Za-z0-9_-]", "_", instance if instance is not None else socket.gethostname())
@@ -268,6 +274,8 @@ class Service:
                 stop=self.stop_event,
             )
         finally:
+            if self.reacting:  # reactions still running settle their events (or are redelivered to the next start)
+                await asyncio.wait(set(self.reacting), timeout=5)
             for t in timers:
                 t.cancel()
             if timers:
@@ -378,24 +386,35 @@ class Service:
         if not self.fold.open.is_set():  # a snapshot is being taken: it must see no fold
             await self.fold.open.wait()
         env = self._fold(rec)
-        if env is not None and self.reaction is not None:
-            from shared.telemetry import processing  # the reaction runs in the event's trace: what it appends too
-
-            try:
-                with processing(msg.subject, env.traceparent, self.name):
-                    await self.reaction(env)
-            except Exception as e:  # noqa: BLE001 - any reaction failure is retried, then dead-lettered
-                self.metrics.reaction_errors.labels(self.name).inc()
-                attempts = msg.metadata.num_delivered
-                log.warning("service=%s reaction failed seq=%d type=%s attempt=%d error=%r", self.name, env.seq, env.type, attempts, e)
-                if attempts >= self.max_deliver:
-                    await self._dead_letter(msg, f"{type(e).__name__}: {e}")
-                else:
-                    await msg.nak(delay=min(0.1 * 2**attempts, 5))
-                return
-        await msg.ack()
+        if env is not None and self.reaction is not None and self.reactions_at_once > 1:
+            await self.reaction_slots.acquire()  # the next fold waits only for a free slot, not for this reaction
+            task = asyncio.create_task(self._react(env, msg))
+            self.reacting.add(task)
+            task.add_done_callback(lambda t: (self.reacting.discard(t), self.reaction_slots.release()))
+        elif env is not None and self.reaction is not None:
+            await self._react(env, msg)
+        else:
+            await msg.ack()
         if self.fold.since_snapshot >= self.snapshot_every:
             await self.save_snapshot()
+
+    async def _react(self, env: Envelope, msg: Msg) -> None:
+        """Run the reaction, then settle the event: ack; or, failed, nak to retry, dead-letter at the last try."""
+        from shared.telemetry import processing  # the reaction runs in the event's trace: what it appends too
+
+        try:
+            with processing(msg.subject, env.traceparent, self.name):
+                await self.reaction(env)  # type: ignore[misc]
+        except Exception as e:  # noqa: BLE001 - any reaction failure is retried, then dead-lettered
+            self.metrics.reaction_errors.labels(self.name).inc()
+            attempts = msg.metadata.num_delivered
+            log.warning("service=%s reaction failed seq=%d type=%s attempt=%d error=%r", self.name, env.seq, env.type, attempts, e)
+            if attempts >= self.max_deliver:
+                await self._dead_letter(msg, f"{type(e).__name__}: {e}")
+            else:
+                await msg.nak(delay=min(0.1 * 2**attempts, 5))
+            return
+        await msg.ack()
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
         """Copy to the dead letters and terminate; if even that fails, terminate anyway: a reaction that keeps

@@ -11,9 +11,10 @@ from services.scheduler.projection import SchedulerProjection
 from shared import events as ev
 from shared.eventlog import EventLog, Undecodable
 from shared.events import Envelope
+from shared.model import JobSpec
 from shared.natsd import NatsServer
 from shared.runtime import Service
-from tests.support import eventually, running
+from tests.support import eventually, running, until
 
 
 def scheduler(snapshot_every: int = 10_000, **kw) -> Service:
@@ -208,3 +209,34 @@ def test_a_redelivered_event_is_reacted_to_again_unless_it_was_rejected():
     assert svc._fold(submitted) is submitted, "a redelivery after a failed reaction runs the reaction again"
     assert svc._fold(twice) is None, "a rejected event stays rejected when it comes again"
     assert svc.projection.applied == 2 and svc.projection.seq == 2
+
+
+async def test_reactions_at_once_run_beside_the_fold_and_each_settles_its_own_event(eventlog: EventLog):
+    """A slow reaction holds neither the fold nor the other reactions (inventory's work writes), and every event
+    is acknowledged once its own reaction is done; a failed one comes again."""
+    import asyncio
+
+    release, seen, failed_once = asyncio.Event(), [], set()
+
+    async def react(env: Envelope) -> None:
+        if env.data.job_id == "j-0":
+            await release.wait()
+        if env.data.job_id == "j-1" and "j-1" not in failed_once:
+            failed_once.add("j-1")
+            raise RuntimeError("the bus is away a moment")
+        seen.append(env.data.job_id)
+
+    svc = scheduler(reaction=react, reactions_at_once=8)
+    async with running(svc, eventlog):
+        await eventlog.append_many([Envelope(ev.JobSubmitted(job_id=f"j-{i}", spec=JobSpec(name="x", command=("true",))))
+                                    for i in range(5)])
+        await eventually(lambda: {"j-2", "j-3", "j-4"} <= set(seen), what="the later reactions, the first still running")
+        assert "j-0" not in seen and svc.projection.seq >= 5, "the fold went on past the slow reaction"
+        release.set()
+        await eventually(lambda: {"j-0", "j-1"} <= set(seen), what="the slow and the retried reaction")
+        consumer = f"svc-{svc.name}-{svc.instance}"
+
+        async def settled() -> bool:
+            info = await eventlog.js.consumer_info("GPUORCH", consumer)
+            return info.num_ack_pending == 0 and info.num_pending == 0
+        await until(settled, 10, "every event acknowledged")

@@ -12,6 +12,7 @@ the reason. Whether the task was placed on that node is the fold's check
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
@@ -47,9 +48,31 @@ def relayed(node: str, env: Envelope, msg: Msg, traceparent: str | None = None) 
                     traceparent=traceparent or env.traceparent)
 
 
+RELAY_WINDOW = 256  # reports being appended at once: pipelined on the one connection, so stored in arrival order
+
+
 async def relay(svc: Service) -> None:
-    """A service timer: every inventory replica shares one durable consumer, so each report is appended once."""
+    """A service timer: every inventory replica shares one durable consumer, so each report is appended once.
+    Appends are pipelined (a window of RELAY_WINDOW): each report's append is sent as it arrives, without waiting
+    for the previous one's acknowledgement (one at a time, the relay was the slowest stage from a task's exit to
+    its job's end), and each report is acknowledged once its own append is."""
     assert svc.log is not None
+    window = asyncio.Semaphore(RELAY_WINDOW)
+    appending: set[asyncio.Task] = set()
+
+    async def append(node: str, env: Envelope, msg: Msg) -> None:
+        assert svc.log is not None
+        try:
+            with processing(msg.subject, env.traceparent, "inventory-relay") as traceparent:
+                await svc.log.append(relayed(node, env, msg, traceparent), timeout=5)
+        except Exception as e:  # noqa: BLE001 - the log is away: the report stays in its stream and comes again
+            log.warning("event=report_relay_failed subject=%s id=%s error=%r action=retry", msg.subject, env.id, e)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1)
+            return
+        finally:
+            window.release()
+        await msg.ack()
 
     async def on_report(_: object, msg: Msg) -> None:
         node = node_of_subject(msg.subject, "gpuorch.agent")
@@ -65,16 +88,15 @@ async def relay(svc: Service) -> None:
             await svc.log.dead_letter(msg, "inventory-relay", why)
             return
         assert node is not None
-        try:
-            with processing(msg.subject, env.traceparent, "inventory-relay") as traceparent:
-                await svc.log.append(relayed(node, env, msg, traceparent), timeout=5)
-        except Exception as e:  # noqa: BLE001 - the log is away: the report stays in its stream and comes again
-            log.warning("event=report_relay_failed subject=%s id=%s error=%r action=retry", msg.subject, env.id, e)
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=1)
-            return
-        await msg.ack()
+        await window.acquire()
+        task = asyncio.create_task(append(node, env, msg))  # tasks start in creation order: appends go out in order
+        appending.add(task)
+        task.add_done_callback(appending.discard)
 
     # never given up on (max_deliver -1): an agent's report is relayed however long the log was away
-    await svc.log.consume("inventory-relay", on_report, stop=svc.stop_event, stream=AGENT_STREAM, subject="gpuorch.agent.>",
-                          max_deliver=-1)
+    try:
+        await svc.log.consume("inventory-relay", on_report, stop=svc.stop_event, stream=AGENT_STREAM,
+                              subject="gpuorch.agent.>", max_deliver=-1)
+    finally:
+        if appending:  # let the appends under way settle their reports (an unsettled one comes again)
+            await asyncio.wait(set(appending), timeout=5)

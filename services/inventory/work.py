@@ -172,9 +172,11 @@ def work_reaction(svc: Service) -> Reaction:
     async def react(env: Envelope) -> None:
         nonlocal writer
         todo = orders(env, svc.projection)
-        if isinstance(env.data, (*GRACE, *ENDS)) and env.data.job_id in svc.projection.jobs:
-            # and every node that holds a word of the job: the fold may be past this event (the job placed again
-            # elsewhere since); a node that holds a later word keeps it (WorkWriter)
+        job = svc.projection.jobs.get(env.data.job_id) if isinstance(env.data, (*GRACE, *ENDS)) else None
+        if job is not None and job.seq > env.seq:
+            # the fold is past this event (another service of the process folded later ones: the job may have been
+            # placed again elsewhere since): every node that holds a word of the job; one that holds a later word
+            # keeps it (WorkWriter)
             word, ttl = stop_word(env)
             held = await svc.log.js.stream_info(WORK_STREAM, subjects_filter=work_subject("*", env.data.job_id))
             todo = [(subject, word, ttl) for subject in {*(s for s, _, _ in todo), *(held.state.subjects or {})}]

@@ -65,6 +65,9 @@ class Scheduler:
             snapshot_every=settings.snapshot_every,
             metrics=metrics,
             instance=settings.instance,
+            # a job's end is decided once per (job, attempt, kind) and against its last sequence (``react``): right
+            # in any order, so many at once; one append after another made a task's exit wait for the others'
+            reactions_at_once=32,
         )
         self.events: SchedulerEvents = self.svc.metrics.own("scheduler-events", SchedulerEvents)
         self.svc.metrics.own("scheduler-collector", lambda r: r.register(SchedulerCollector(lambda: self.proj)))

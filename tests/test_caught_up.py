@@ -72,6 +72,7 @@ async def test_an_api_that_appended_but_cannot_fold_its_event_answers_503_not_th
                 holding.add(svc.name)
                 await gate.wait()
             svc.reaction, svc.catch_up_timeout_s = held, 0.2
+            svc.reactions_at_once = 1  # one at a time, as the fold's own step: a reaction that hangs holds the fold
 
         for svc in services.values():  # the services of a process fold one projection: any of them may fold next
             hold(svc)

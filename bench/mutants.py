@@ -376,7 +376,7 @@ MUTANTS: tuple[Mutant, ...] = (
     M("folds-run-under-a-reader", "no fold under a reader", "shared/runtime.py",
       "        fold.readers += 1\n        fold.open.clear()\n", "        fold.readers += 1\n"),
     M("admission-verdicts-kept-forever", "admission verdicts renewed", "services/scheduler/projection.py",
-      "            self.shape_version = next(_VERSIONS)\n        return changed", "        return changed"),
+      "            self.shape_version = next(_VERSIONS)\n        return changed", "            pass\n        return changed"),
 )
 
 

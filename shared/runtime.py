@@ -84,7 +84,7 @@ class Metrics:
         log does not answer within ``timeout``."""
         heads: dict[int, int | None] = {}
         for s in services:
-            if s.log is None:
+            if s.log is None or not s.follows_log:  # an agent folds no log: it has no lag to tell
                 continue
             if id(s.log) not in heads:
                 try:

@@ -11,7 +11,9 @@ import subprocess
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared import events as ev
 from shared.eventlog import EventLog
+from shared.events import Envelope
 from tests.builders import job
 from tests.support import in_process_stack, nodes_up, until
 
@@ -262,3 +264,15 @@ def test_merged_expositions_declare_each_family_once_with_every_process_series()
     assert merged.count("# TYPE x_total") == 1
     assert {s.labels["service"]: s.value for f in text_string_to_metric_families(merged) if f.name == "x"
             for s in f.samples} == {"a": 1.0, "b": 3.0}
+
+
+async def test_an_agent_that_folds_no_log_reports_no_projection_lag(eventlog, tmp_path):
+    from services.inventory.agent import Agent
+    from shared.profiles import build as build_profile
+
+    agent = Agent(build_profile("t4-4x", "n1"), tmp_path / "agent")
+    agent.svc.log = eventlog
+    await eventlog.append(Envelope(ev.QueueDefined(path="q", spec={})))
+    await agent.svc.metrics.update_lag([agent.svc])
+    lag = [s for f in agent.svc.metrics.registry.collect() if f.name == "gpuorch_projection_lag_events" for s in f.samples]
+    assert lag == [], "a lag of the whole log would page someone for nothing"

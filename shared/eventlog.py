@@ -116,6 +116,18 @@ def _parse_header_lines(raw: bytes) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True)
+class RawRecord:
+    """A stored event not decoded yet (``EventLog.replay(raw=True)``); ``decoded()`` is the Record."""
+
+    seq: int
+    subject: bytes
+    body: bytes
+
+    def decoded(self) -> Record:
+        return _decode_body(self.body, self.seq, self.subject)
+
+
 def _decode_msg(msg: Msg) -> Record:
     return _decode_body(msg.data, msg.metadata.sequence.stream, msg.subject)
 
@@ -472,13 +484,14 @@ class EventLog:
     # --- read ----------------------------------------------------------------------
 
     async def replay(
-        self, from_seq: int = 1, subjects: list[str] | None = None, batch: int = 5000
+        self, from_seq: int = 1, subjects: list[str] | None = None, batch: int = 5000, raw: bool = False
     ) -> AsyncIterator[Record]:
         """Every stored event from ``from_seq`` until caught up with the log as it was when called.
 
         The hot path of every restart. It pulls batches from a temporary consumer into
         one raw subscription: nats-py's fetch() makes a task and a timer per message,
-        which caps it near 15k msg/s here; this runs at twice that and more.
+        which caps it near 15k msg/s here; this runs at twice that and more. ``raw``: yield
+        each event undecoded (``RawRecord``), for a caller that decodes it off the event loop.
         """
         next_seq = max(1, from_seq)
         while True:
@@ -487,7 +500,7 @@ class EventLog:
                 await self._delete_consumer(name)
                 return
             try:
-                async for rec in self._pull_all(name, pending, batch):
+                async for rec in self._pull_all(name, pending, batch, raw):
                     next_seq = rec.seq + 1
                     yield rec
                 return
@@ -521,7 +534,7 @@ class EventLog:
         except Exception:  # noqa: BLE001 - it expires by itself after inactive_threshold
             pass
 
-    async def _pull_all(self, consumer: str, pending: int, batch: int) -> AsyncIterator[Record]:
+    async def _pull_all(self, consumer: str, pending: int, batch: int, raw: bool = False) -> AsyncIterator[Record]:
         """Pull ``pending`` messages in batches; the next batch is requested before this one is decoded,
         so the server sends while we fold (the two share this machine's cores)."""
         inbox = self.nc.new_inbox()
@@ -554,7 +567,8 @@ class EventLog:
                 if pending > 0:
                     await request(min(batch, pending))
                 for subject, reply, body in data:
-                    yield _decode_body(body, _ack_positions(reply)[0], subject)
+                    seq = _ack_positions(reply)[0]
+                    yield RawRecord(seq, subject, body) if raw else _decode_body(body, seq, subject)
         finally:
             self._sinks.pop(sub._id, None)
             with contextlib.suppress(nats.errors.Error):  # closed or draining: the subscription goes with it
@@ -679,7 +693,9 @@ class EventLog:
                 arrived.clear()
                 msgs = got[:]
                 got.clear()
-                for msg in msgs:
+                for i, msg in enumerate(msgs, 1):
+                    if i % 32 == 0:
+                        await asyncio.sleep(0)  # a flood's batch never holds the loop for all its folds at once
                     try:
                         await handler(self._decode_shared(msg) if stream == STREAM else None, msg)
                     except Exception:  # noqa: BLE001 - one message never stops the consumer: unacked, it comes again

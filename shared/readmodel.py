@@ -17,7 +17,7 @@ from sqlalchemy import Engine
 from sqlmodel import Field, Session, SQLModel, create_engine, select
 
 from shared import events as ev
-from shared.eventlog import EventLog, Undecodable
+from shared.eventlog import EventLog, RawRecord, Undecodable
 from shared.events import Envelope
 
 log = logging.getLogger("gpuorch.readmodel")
@@ -129,9 +129,10 @@ class JobHistory:
             c = s.get(Cursor, self.name)
             return c.seq if c else 0
 
-    def apply(self, envs: Iterable[Envelope | Undecodable]) -> int:
-        """Fold a batch; events at or below the stored cursor are skipped. Returns how many were applied."""
-        envs = list(envs)
+    def apply(self, envs: Iterable[Envelope | Undecodable | RawRecord]) -> int:
+        """Fold a batch (decoding what comes undecoded); events at or below the stored cursor are skipped. Returns
+        how many were applied."""
+        envs = [e.decoded() if isinstance(e, RawRecord) else e for e in envs]
         with Session(self.engine) as s, s.begin(), s.no_autoflush:
             cur = s.get(Cursor, self.name, with_for_update=True) or Cursor(name=self.name, seq=0)
             todo = [env for env in envs if env.seq > cur.seq]
@@ -170,7 +171,9 @@ class JobHistory:
         while True:
             try:
                 chunk: list = []
-                async for rec in log_.replay(self.cursor() + 1, ["gpuorch.events.job.>"]):
+                # undecoded: the thread that applies a chunk decodes it, not the event loop (bench.backlog: a
+                # catch-up of thousands of events held every request)
+                async for rec in log_.replay(self.cursor() + 1, ["gpuorch.events.job.>"], raw=True):
                     chunk.append(rec)
                     if len(chunk) >= batch:
                         await asyncio.to_thread(self.apply, chunk)

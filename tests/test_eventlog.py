@@ -78,3 +78,10 @@ async def test_snapshots_round_trip_large_states(eventlog: EventLog):
     await eventlog.save_snapshot("scheduler", 1234, blob)
     assert await eventlog.load_snapshot("scheduler") == (1234, blob)
     assert await eventlog.load_snapshot("nobody") is None
+
+
+async def test_a_raw_replay_decodes_to_the_same_records(eventlog: EventLog):
+    await eventlog.append_many(list(workload(120)))
+    decoded = [rec async for rec in eventlog.replay(1)]
+    raw = [rec async for rec in eventlog.replay(1, raw=True)]
+    assert [r.decoded() for r in raw] == decoded and len(decoded) > 100

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -27,3 +27,26 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     finally:
         waiter.cancel()
     return event.is_set()
+
+
+class Window:
+    """At most ``size`` coroutines running at once, started in the order they are given (so what each sends first
+    goes out in that order); ``start`` waits for a free place; ``drain`` waits for those under way."""
+
+    def __init__(self, size: int) -> None:
+        self.places = asyncio.Semaphore(size)
+        self.running: set[asyncio.Task] = set()
+
+    async def start(self, work: Callable[..., Awaitable[None]], *args: Any) -> None:
+        await self.places.acquire()
+        task = asyncio.ensure_future(work(*args))
+        self.running.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.running.discard(task)
+        self.places.release()
+
+    async def drain(self, timeout: float) -> None:
+        if self.running:
+            await asyncio.wait(set(self.running), timeout=timeout)

@@ -2,8 +2,9 @@
 
 Two roles. ``control`` (the services, the gateway, the operator's CLI) may do
 anything. ``agent-<node>`` may read its own node's work (``gpuorch.work.<node>.>``,
-not the event log) through JetStream consumers and publish only about its own node: its reports (``gpuorch.agent.<node>.*``, which the
-inventory service checks and appends to the log), its telemetry, its heartbeat key,
+not the event log) through JetStream consumers and publish only about its own
+node: its reports (``gpuorch.agent.<node>.*``, which the inventory service checks
+and appends to the log), its telemetry, its heartbeat key,
 its dead letters; it answers the control plane's requests on ``gpuorch.agentctl.<node>.*``.
 It cannot append to the log, read the token bucket or touch another node's subjects.
 

@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from shared import api_errors
+from shared.aio import Window
 from shared.auth import Authenticator, Principal, authorize, caller
 from shared.eventlog import EventLog, Record, Undecodable
 from shared.events import Envelope, Event
@@ -191,9 +192,8 @@ class Service:
         self.name = name
         self.exclusive = exclusive
         self.follows_log = follows_log
-        self.reacting: set[asyncio.Task] = set()  # reactions running beside the fold (reactions_at_once > 1)
-        self.reaction_slots = asyncio.Semaphore(reactions_at_once)
         self.reactions_at_once = reactions_at_once
+        self.reacting = Window(reactions_at_once)  # reactions running beside the fold (reactions_at_once > 1)
         self.snapshots = snapshots
         # each replica has its own durable consumer: replicas sharing one would split the stream between them
         self.instance = re.sub(r"[^A-Za-z0-9_-]", "_", instance if instance is not None else socket.gethostname())
@@ -263,7 +263,7 @@ class Service:
         log.info("service=%s ready seq=%d replay_s=%.3f restored=%s", self.name, self.projection.seq, loop.time() - t0, restored)
         self.ready.set()
         self.metrics.ready.labels(self.name).set(1)
-        timers = [asyncio.create_task(t(self), name=f"{self.name}-timer") for t in self.timers]
+        timers = self._start_timers()
         self.fold.running += 1
         try:
             await log_.consume(
@@ -274,14 +274,8 @@ class Service:
                 stop=self.stop_event,
             )
         finally:
-            if self.reacting:  # reactions still running settle their events (or are redelivered to the next start)
-                await asyncio.wait(set(self.reacting), timeout=5)
-            for t in timers:
-                t.cancel()
-            if timers:
-                _, stuck = await asyncio.wait(timers, timeout=5)
-                for t in stuck:
-                    log.error("service=%s timer=%s did not stop within 5 s", self.name, t.get_coro())
+            await self.reacting.drain(5)  # reactions under way settle their events (or come again at the next start)
+            await self._stop_timers(timers)
             self.fold.running -= 1
             if not self.fold.running:
                 await self.save_snapshot()
@@ -289,14 +283,22 @@ class Service:
     async def _run_timers(self) -> None:
         self.ready.set()
         self.metrics.ready.labels(self.name).set(1)
-        timers = [asyncio.create_task(t(self), name=f"{self.name}-timer") for t in self.timers]
+        timers = self._start_timers()
         try:
             await self.stop_event.wait()
         finally:
-            for t in timers:
-                t.cancel()
-            if timers:
-                await asyncio.wait(timers, timeout=5)
+            await self._stop_timers(timers)
+
+    def _start_timers(self) -> list[asyncio.Task]:
+        return [asyncio.create_task(t(self), name=f"{self.name}-timer") for t in self.timers]
+
+    async def _stop_timers(self, timers: list[asyncio.Task]) -> None:
+        for t in timers:
+            t.cancel()
+        if timers:
+            _, stuck = await asyncio.wait(timers, timeout=5)
+            for t in stuck:
+                log.error("service=%s timer=%s did not stop within 5 s", self.name, t.get_coro())
 
     async def _restore(self, log_: EventLog) -> bool:
         """Load the latest snapshot, parsed in a thread (the event loop keeps answering); False if there is none
@@ -387,10 +389,7 @@ class Service:
             await self.fold.open.wait()
         env = self._fold(rec)
         if env is not None and self.reaction is not None and self.reactions_at_once > 1:
-            await self.reaction_slots.acquire()  # the next fold waits only for a free slot, not for this reaction
-            task = asyncio.create_task(self._react(env, msg))
-            self.reacting.add(task)
-            task.add_done_callback(lambda t: (self.reacting.discard(t), self.reaction_slots.release()))
+            await self.reacting.start(self._react, env, msg)  # the next fold waits for a free place, not this reaction
         elif env is not None and self.reaction is not None:
             await self._react(env, msg)
         else:

@@ -59,7 +59,7 @@ from shared.runtime import Metrics, Service
 from shared.telemetry import current_traceparent, processing, span
 
 log = logging.getLogger("gpuorch.agent")
-STOP_GRACE_S = 10  # for cancel/fail, where the job event carries no grace
+STOP_GRACE_S = 10  # for what is left of an ended job (cancelled, failed, requeued: its word carries no grace)
 REFUSED = 126  # the shell's "found but cannot run"
 INTERRUPTED = "interrupted"  # a task directory's record: its node stopped under it (the file holds the reason)
 START_REPORTED = "start_reported"  # a task directory's record: the bus acknowledged its start report

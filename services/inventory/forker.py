@@ -24,6 +24,7 @@ class Forker:
         self.label = label  # shown in the process list: which agent's forker this is
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
+        self.strays: list[subprocess.Popen] = []  # launchers started without the forker: reaped once ended
 
     def launch(self, args: list[str], cwd: Path, stdout: int, stderr: int) -> int:
         """Start ``launcher.py ARGS`` in ``cwd`` in a session of its own, with these descriptors as its output;
@@ -36,6 +37,7 @@ class Forker:
                 self.close()
         proc = subprocess.Popen([*PYTHON, *args], cwd=cwd, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
+        self.strays = [p for p in self.strays if p.poll() is None] + [proc]
         return proc.pid
 
     def _request(self, args: list[str], cwd: Path, stdout: int, stderr: int) -> int:

@@ -12,13 +12,13 @@ the reason. Whether the task was placed on that node is the fold's check
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 
 from nats.aio.msg import Msg
 
 from shared import events as ev
+from shared.aio import Window
 from shared.eventlog import AGENT_STREAM
 from shared.events import Envelope, MalformedEvent, UnknownEventType, decode
 from shared.natsauth import node_of_subject
@@ -57,8 +57,7 @@ async def relay(svc: Service) -> None:
     for the previous one's acknowledgement (one at a time, the relay was the slowest stage from a task's exit to
     its job's end), and each report is acknowledged once its own append is."""
     assert svc.log is not None
-    window = asyncio.Semaphore(RELAY_WINDOW)
-    appending: set[asyncio.Task] = set()
+    appending = Window(RELAY_WINDOW)
 
     async def append(node: str, env: Envelope, msg: Msg) -> None:
         assert svc.log is not None
@@ -70,8 +69,6 @@ async def relay(svc: Service) -> None:
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1)
             return
-        finally:
-            window.release()
         await msg.ack()
 
     async def on_report(_: object, msg: Msg) -> None:
@@ -88,15 +85,11 @@ async def relay(svc: Service) -> None:
             await svc.log.dead_letter(msg, "inventory-relay", why)
             return
         assert node is not None
-        await window.acquire()
-        task = asyncio.create_task(append(node, env, msg))  # tasks start in creation order: appends go out in order
-        appending.add(task)
-        task.add_done_callback(appending.discard)
+        await appending.start(append, node, env, msg)  # started in arrival order: the appends go out in order
 
     # never given up on (max_deliver -1): an agent's report is relayed however long the log was away
     try:
         await svc.log.consume("inventory-relay", on_report, stop=svc.stop_event, stream=AGENT_STREAM,
                               subject="gpuorch.agent.>", max_deliver=-1)
     finally:
-        if appending:  # let the appends under way settle their reports (an unsettled one comes again)
-            await asyncio.wait(set(appending), timeout=5)
+        await appending.drain(5)  # the appends under way settle their reports (an unsettled one comes again)

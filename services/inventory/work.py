@@ -31,12 +31,10 @@ from shared.projection import Projection
 from shared.runtime import Reaction, Service
 from shared.telemetry import current_traceparent
 
-
 WORK_PREFIX = "gpuorch.work"
 NODE_NOTICE = "_node"  # the last token of a node's own notice (job ids start with a letter)
 ENDED_TTL_S = 3600
 STORED = {"stored": True}  # JobSpec's validation context for what was logged already
-STOP_GRACE_S = 10  # for what is left of an ended job (cancelled, failed, requeued: no grace in the event)
 GRACE = (ev.JobPreempting, ev.JobTimedOut)
 ENDS = (ev.JobSucceeded, ev.JobFailed, ev.JobCancelled, ev.JobPreempted, ev.JobRequeued)
 

@@ -127,3 +127,16 @@ async def test_the_reaper_hears_of_a_forked_launchers_exit(forker, tmp_path):
     assert notify_on_exit(pid, exited), "a pidfd watches a process that is not the agent's child too"
     assert await wait_event(exited, 10)
     assert exit_record(tmp_path) == {"code": 0}
+
+
+def test_a_forker_that_cannot_serve_falls_back_to_a_launcher_of_its_own(forker, tmp_path, monkeypatch):
+    def broken(*_a):
+        raise OSError("no forker here")
+    monkeypatch.setattr(forker, "_request", broken)
+    pid = launch(forker, tmp_path, "sh", "-c", "exit 4")
+    assert exit_record(tmp_path) == {"code": 4}, "the task still ran, and its exit was recorded"
+    assert [p.pid for p in forker.strays] == [pid]
+    until(lambda: forker.strays[0].poll() is not None)
+    (tmp_path / "next").mkdir()
+    launch(forker, tmp_path / "next", "true")
+    assert pid not in [p.pid for p in forker.strays], "an ended stray is reaped, not kept"

@@ -8,7 +8,7 @@ jobs, so that every measured job is accepted and then waits queued: no task runs
 see every job. Each run measures, in the same stack:
 
 - ``batch``:  jobs/s accepted in batches of 100 (a JSON list), 4 clients posting 5 batches each;
-- ``single``: jobs/s accepted one per request, 64 concurrent clients (httpx.AsyncClient), 8 jobs each;
+- ``single``: jobs/s accepted one per request, 64 concurrent clients (bench.loadgen: keep-alive connections), 8 jobs each;
 - ``open``:   POST latency p50/p99 at 200 jobs/s offered for 4 s (open loop: a request starts on time whether
   or not the earlier ones have answered).
 
@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from bench.chaos import Stack
+from bench.loadgen import Client
 
 NODES = "t4-4x:2"
 JOB = {"name": "ingest", "resources": {"gpus": 1}, "command": ["true"]}
@@ -62,33 +63,57 @@ async def post(c: httpx.AsyncClient, body: object) -> None:
             raise RuntimeError(f"POST /v1/jobs answered {r.status_code}: {r.text[:300]}")
 
 
-async def batches(c: httpx.AsyncClient, clients: int = 4, each: int = 5, size: int = 100) -> float:
+def lean(stack: Stack) -> Client:
+    """The measured load's client (bench.loadgen: httpx cost more CPU per request than the server did)."""
+    token = (stack.data_dir / "auth" / "admin.token").read_text().strip()
+    return Client(stack.url, {"authorization": f"Bearer {token}"})
+
+
+async def fire(c: Client, raw: bytes) -> None:
+    """One prepared POST /v1/jobs, counted in FAILED unless 201 (as ``post``)."""
+    try:
+        r = await c.send(raw)
+    except OSError as e:
+        FAILED[type(e).__name__] = FAILED.get(type(e).__name__, 0) + 1
+        return
+    if r.status != 201:
+        FAILED[r.status] = FAILED.get(r.status, 0) + 1
+        if r.status not in (503,):
+            raise RuntimeError(f"POST /v1/jobs answered {r.status}: {r.body[:300]!r}")
+
+
+async def batches(c: Client, clients: int = 4, each: int = 5, size: int = 100) -> float:
     """Jobs per second, ``clients`` posting ``each`` batches of ``size`` one after another."""
+    raw = c.prepare("POST", "/v1/jobs", [JOB] * size)
+
     async def one_client() -> None:
         for _ in range(each):
-            await post(c, [JOB] * size)
+            await fire(c, raw)
     t0 = time.perf_counter()
     await asyncio.gather(*(one_client() for _ in range(clients)))
     return clients * each * size / (time.perf_counter() - t0)
 
 
-async def singles(c: httpx.AsyncClient, clients: int = 64, each: int = 8) -> float:
+async def singles(c: Client, clients: int = 64, each: int = 8) -> float:
     """Jobs per second, ``clients`` each posting ``each`` single jobs one after another."""
+    raw = c.prepare("POST", "/v1/jobs", JOB)
+
     async def one_client() -> None:
         for _ in range(each):
-            await post(c, JOB)
+            await fire(c, raw)
     t0 = time.perf_counter()
     await asyncio.gather(*(one_client() for _ in range(clients)))
     return clients * each / (time.perf_counter() - t0)
 
 
-async def open_loop(c: httpx.AsyncClient, rate: float = 200, seconds: float = 4) -> tuple[float, float]:
+async def open_loop(c: Client, rate: float = 200, seconds: float = 4) -> tuple[float, float]:
     """POST latency (p50, p99 in ms) with one request started every 1/``rate`` s, answered or not."""
     latencies: list[float] = []
+    raw = c.prepare("POST", "/v1/jobs", JOB)
 
     async def timed() -> None:
         t = time.perf_counter()
-        await post(c, JOB)
+        await fire(c, raw)
         latencies.append(time.perf_counter() - t)
     t0, tasks = time.perf_counter(), []
     for i in range(int(rate * seconds)):
@@ -131,17 +156,18 @@ async def filled_stack(root: Path) -> AsyncIterator[tuple[Stack, httpx.AsyncClie
 
 
 async def measure(runs: int, root: Path) -> dict:
-    async with filled_stack(root) as (_, c):
-        results = []
+    async with filled_stack(root) as (stack, c):
+        results, load = [], lean(stack)
         for _ in range(runs):
             run: dict[str, float] = {}
             await settled(c)
-            run["batch_jobs_per_s"] = await batches(c)
+            run["batch_jobs_per_s"] = await batches(load)
             await settled(c)
-            run["single_jobs_per_s"] = await singles(c)
+            run["single_jobs_per_s"] = await singles(load)
             await settled(c)
-            run["open_p50_ms"], run["open_p99_ms"] = await open_loop(c)
+            run["open_p50_ms"], run["open_p99_ms"] = await open_loop(load)
             results.append(run)
+        load.close()
     median = {k: statistics.median(r[k] for r in results) for k in results[0]}
     return {"cores": os.cpu_count(), "runs": results, "median": median, "failed": FAILED,
             "targets": TARGETS, "before": BEFORE}

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+GC_THRESHOLD = (50_000, 20, 10)  # allocations before a young collection (Python's default: 700, 10, 10)
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on uvloop's event loop (a dependency): the control plane's processes spend much of their time
-    in the loop's own machinery (sockets, callbacks, timers), which uvloop runs in C."""
+    in the loop's own machinery (sockets, callbacks, timers), which uvloop runs in C.
+
+    The cyclic collector runs less often (GC_THRESHOLD): a projection holds hundreds of thousands of long-lived
+    objects (a backlog's jobs and their specs), and with Python's default a burst of short-lived dicts (a
+    snapshot's, a cycle's) set off full collections that walked all of them: 20,000 pending jobs' snapshot state
+    took 240 ms, 70 ms of it the work itself. Garbage without cycles is freed by reference counting as before."""
     import uvloop
+
+    gc.set_threshold(*GC_THRESHOLD)
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)

@@ -1,5 +1,6 @@
 """The scheduling cycle reads the projection in a thread while every fold of the process waits (issue 15: over
-20,000 pending jobs a cycle took seconds, and on the event loop every request waited that long)."""
+20,000 pending jobs a cycle took seconds, and on the event loop every request waited that long); then the core
+decides on that copy in a thread while the folds go on (a POST waits for its fold: it waited out every decision)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 import pytest
 
 from services.scheduler import service as scheduler_service
+from services.scheduler.decide import CycleInput
 from shared import events as ev
 from shared.eventlog import EventLog
 from shared.events import Envelope
@@ -21,16 +23,16 @@ async def test_the_api_answers_while_a_cycle_reads_and_no_event_is_folded_under_
                                                                                    monkeypatch: pytest.MonkeyPatch):
     loop, parked, release, at = asyncio.get_running_loop(), asyncio.Event(), threading.Event(), []
     armed = threading.Event()  # the stack is up: the next cycle's read waits for the test
-    real = scheduler_service.decide
+    real = scheduler_service.cycle_input
 
-    def decide(proj, *a, **kw):
+    def cycle_input(proj, *a, **kw):
         if armed.is_set() and threading.current_thread() is not threading.main_thread() and not at:
             at.append(proj.seq)
             loop.call_soon_threadsafe(parked.set)
             release.wait(30)
         return real(proj, *a, **kw)
 
-    monkeypatch.setattr(scheduler_service, "decide", decide)
+    monkeypatch.setattr(scheduler_service, "cycle_input", cycle_input)
     async with in_process_stack(eventlog) as (client, services):
         proj = services["scheduler"].projection
         armed.set()
@@ -50,3 +52,30 @@ async def test_the_api_answers_while_a_cycle_reads_and_no_event_is_folded_under_
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_events_are_folded_while_the_core_decides_on_its_copy(eventlog: EventLog,
+                                                                   monkeypatch: pytest.MonkeyPatch):
+    loop, parked, release, at = asyncio.get_running_loop(), asyncio.Event(), threading.Event(), []
+    armed = threading.Event()
+    real = CycleInput.decide
+
+    def decide(self):
+        if armed.is_set() and not at:
+            at.append(True)
+            loop.call_soon_threadsafe(parked.set)
+            release.wait(30)
+        return real(self)
+
+    monkeypatch.setattr(CycleInput, "decide", decide)
+    async with in_process_stack(eventlog) as (client, services):
+        proj = services["scheduler"].projection
+        armed.set()
+        try:
+            await eventlog.append(Envelope(ev.NodeRegistered(node_id="n1", node=node("n1").gpus(4).build())))
+            await asyncio.wait_for(parked.wait(), 15)  # a cycle decides on what it read, and waits
+            seq = await eventlog.append(Envelope(ev.NodeRegistered(node_id="n2", node=node("n2").gpus(4).build())))
+            await until(lambda: _true(proj.seq >= seq), 10, "a fold while the core decides")
+            assert "n2" in proj.nodes
+        finally:
+            release.set()

@@ -6,11 +6,11 @@ the time and the configured policy, and get the plan back; only the service comm
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
-from services.scheduler.core import Plan, Policy, run_cycle
-from services.scheduler.snapshot import snapshot_from_cluster
+from services.scheduler.core import Plan, Policy, ReclaimRequest, run_cycle
+from services.scheduler.snapshot import Snapshot, snapshot_from_cluster
 from shared.cluster import ClusterProjection
 from shared.fairshare import job_share, leaves, reclaim_requests
 from shared.model import QueueSpec
@@ -44,10 +44,23 @@ def queue_policy(policy: Policy, queues: Mapping[str, QueueSpec]) -> Policy:
     )
 
 
-def decide(proj: ClusterProjection, policy: Policy, now: float, half_life_s: float,
-           reclaim_after_s: float = 0.0) -> Plan:
-    """One cycle from the folded state at ``now``: entitlements and reclaim requests from the fair share, then the
-    core with the queues' policy."""
+@dataclass(frozen=True)
+class CycleInput:
+    """What one cycle reads of the folded cluster, copied out of it: the core decides on it while folds go on."""
+
+    snapshot: Snapshot
+    policy: Policy
+    now: float
+    reclaims: Sequence[ReclaimRequest | tuple[str, float]]
+
+    def decide(self) -> Plan:
+        return run_cycle(self.snapshot, self.policy, self.now, self.reclaims)
+
+
+def cycle_input(proj: ClusterProjection, policy: Policy, now: float, half_life_s: float,
+                reclaim_after_s: float = 0.0) -> CycleInput:
+    """Entitlements and reclaim requests from the fair share, the snapshot and the queues' policy, at ``now``: the
+    part of a cycle that reads the projection (the service holds its folds meanwhile, and only meanwhile)."""
     queues = proj.queues
     # 1. entitlements: the fair-share division of what the cluster holds now, by decayed usage
     division = proj.division(now, half_life_s)
@@ -60,5 +73,11 @@ def decide(proj: ClusterProjection, policy: Policy, now: float, half_life_s: flo
         if job.state == "queued":
             smallest[job.spec.queue] = min(smallest.get(job.spec.queue, float("inf")), job_share(job.spec, ratios))
     reclaims = reclaim_requests(queues, alloc, waiting, leaf_ent, smallest)
-    # 3. the core decides on the snapshot
-    return run_cycle(snapshot_from_cluster(proj, now, leaf_ent), queue_policy(policy, queues), now, reclaims)
+    return CycleInput(snapshot_from_cluster(proj, now, leaf_ent), queue_policy(policy, queues), now, tuple(reclaims))
+
+
+def decide(proj: ClusterProjection, policy: Policy, now: float, half_life_s: float,
+           reclaim_after_s: float = 0.0) -> Plan:
+    """One cycle from the folded state at ``now``: entitlements and reclaim requests from the fair share, then the
+    core with the queues' policy (on a copy: ``cycle_input``)."""
+    return cycle_input(proj, policy, now, half_life_s, reclaim_after_s).decide()

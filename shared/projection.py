@@ -43,8 +43,14 @@ def encode_json(value: Any, depth: int = 4) -> bytes:
     return b"".join(out)
 
 
+class Encoded(bytes):
+    """JSON already encoded: ``encode_json`` puts these bytes where the value would go."""
+
+
 def _encode(value: Any, out: list[bytes], depth: int) -> None:
-    if depth > 0 and isinstance(value, dict) and all(type(k) is str for k in value):
+    if type(value) is Encoded:
+        out.append(value)
+    elif depth > 0 and isinstance(value, dict) and all(type(k) is str for k in value):
         if len(value) > CHUNK:
             items = list(value.items())
             out.append(b"{")
@@ -193,25 +199,33 @@ class Projection:
             cache[key] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
         return cache[key]
 
+    # keys of ``state()`` whose values it builds anew at every call, sharing nothing the folds change: a snapshot
+    # encodes them after the folds resume (``snapshot_document``)
+    FRESH_STATE: ClassVar[frozenset[str]] = frozenset()
+
+    def snapshot_document(self) -> dict[str, Any]:
+        """The snapshot as a document that shares nothing with the projection: every part ``state()`` may hand out
+        as the projection's own (a dict the next fold changes) is encoded here (``Encoded``), the FRESH_STATE parts
+        (a backlog's jobs: most of the work) are left to encode later. Reads the projection and changes nothing,
+        so it may run in a thread while nothing folds (``shared.runtime`` holds the folds for this part only)."""
+        state = self.state()
+        return {
+            "version": self.snapshot_version(),
+            "seq": self.seq,
+            "applied": self.applied,
+            "invalid_count": self.invalid_count,
+            "invalid": Encoded(to_json(self.invalid_transitions)),
+            "invalid_kinds": Encoded(to_json(self.invalid_kinds)),
+            "kinds": Encoded(to_json(self.kinds)),
+            "epochs": Encoded(to_json(self.epochs)),
+            "terms": Encoded(to_json(self.terms)),
+            "rejected": list(self.rejected),
+            "state": {k: v if k in self.FRESH_STATE else Encoded(to_json(v)) for k, v in state.items()},
+        }
+
     def snapshot(self) -> bytes:
-        """The snapshot document: ``to_json`` of it byte for byte, written in pieces (``encode_json``). Reads the
-        projection and changes nothing, so it may run in a thread while nothing folds (``shared.runtime`` holds the
-        folds meanwhile: ``state()`` may hand out the projection's own dicts)."""
-        return encode_json(
-            {
-                "version": self.snapshot_version(),
-                "seq": self.seq,
-                "applied": self.applied,
-                "invalid_count": self.invalid_count,
-                "invalid": self.invalid_transitions,
-                "invalid_kinds": self.invalid_kinds,
-                "kinds": self.kinds,
-                "epochs": self.epochs,
-                "terms": self.terms,
-                "rejected": list(self.rejected),
-                "state": self.state(),
-            },
-        )
+        """The snapshot document: ``to_json`` of it byte for byte, written in pieces (``encode_json``)."""
+        return encode_json(self.snapshot_document())
 
     @classmethod
     def snapshot_version(cls) -> dict[str, Any]:

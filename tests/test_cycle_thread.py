@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 
 import pytest
 
@@ -79,3 +80,27 @@ async def test_events_are_folded_while_the_core_decides_on_its_copy(eventlog: Ev
             assert "n2" in proj.nodes
         finally:
             release.set()
+
+
+async def test_after_a_long_cycle_the_next_rests_in_proportion(eventlog: EventLog, monkeypatch: pytest.MonkeyPatch):
+    """Woken by every event, cycles over a large backlog ran back to back; now the next waits REST x the last's
+    work, however many events arrive meanwhile."""
+    starts: list[float] = []
+    real = CycleInput.decide
+
+    def decide(self):
+        starts.append(time.monotonic())
+        time.sleep(0.2)  # a long cycle's work
+        return real(self)
+
+    monkeypatch.setattr(CycleInput, "decide", decide)
+    monkeypatch.setattr(scheduler_service, "REST", 2.0)
+    async with in_process_stack(eventlog):
+        t0, i, deadline = len(starts), 0, time.monotonic() + 20
+        while len(starts) < t0 + 4 and time.monotonic() < deadline:  # an event every 50 ms, each waking a cycle
+            i += 1
+            await eventlog.append(Envelope(ev.NodeRegistered(node_id=f"n{i}", node=node(f"n{i}").gpus(1).build())))
+            await asyncio.sleep(0.05)
+        gaps = [b - a for a, b in zip(starts[t0:], starts[t0 + 1:])]
+        assert len(gaps) >= 3, gaps
+        assert min(gaps) >= 0.2 * (1 + 2.0) - 0.02, gaps  # the work, then twice the work's rest

@@ -12,9 +12,15 @@ import pytest
 from pydantic_core import to_json
 
 from bench.workload import workload
+from services.autoscaler.projection import AutoscalerProjection
+from services.health.projection import HealthProjection
+from services.inventory.projection import InventoryProjection
 from services.quota.projection import QuotaProjection
 from services.scheduler.projection import SchedulerProjection
+from shared import events as ev
 from shared.eventlog import EventLog, Undecodable
+from shared.events import Envelope
+from shared.model import GpuAmount, QueueSpec
 from shared.projection import CHUNK, encode_json
 from shared.projection import Projection
 from shared.runtime import Service, fold_once
@@ -131,3 +137,33 @@ def test_the_snapshot_is_written_in_pieces_byte_for_byte_as_one_call_would():
     for value in ({}, [], {"a": {}}, list(range(CHUNK * 2 + 1)), {str(i): [i] for i in range(CHUNK + 1)},
                   {1: "int keys", 2: {"x": 1}}, {"é\"\n": ["ü", None, 1.5, True]}, (1, 2), "s", 3):
         assert encode_json(value) == to_json(value), value
+
+
+@pytest.mark.parametrize("kind", [SchedulerProjection, QuotaProjection, HealthProjection, AutoscalerProjection,
+                                  InventoryProjection])
+async def test_a_snapshot_document_shares_nothing_that_later_folds_change(eventlog: EventLog,
+                                                                         kind: type[Projection]):
+    """The folds resume once the document is copied out, before it is encoded: encoded after more folds (jobs
+    moving, a node cordoned and drained, another decider's term, an invalid event), it is still the snapshot of its
+    sequence."""
+    envs = list(workload(400))
+    node_id = next(e.data.node_id for e in envs if isinstance(e.data, ev.NodeRegistered))
+    more = [Envelope(ev.QueueDefined(path="research", spec=QueueSpec(guaranteed=GpuAmount(gpus=2)))),
+            Envelope(ev.PoolDefined(pool="spare", profile="t4-4x", max_nodes=2)),
+            Envelope(ev.LeaderElected(lease="scheduler", source="/gpuorch/scheduler", epoch=3, holder="s"),
+                     source="/gpuorch/scheduler", epoch=3),
+            Envelope(ev.NodeCordoned(node_id=node_id)), Envelope(ev.NodeDrainRequested(node_id=node_id)),
+            Envelope(ev.LeaderElected(lease="health", source="/gpuorch/health", epoch=4, holder="h"),
+                     source="/gpuorch/health", epoch=4),
+            Envelope(ev.JobSucceeded(job_id="j-never-submitted"))]  # invalid: counted
+    await eventlog.append_many(envs[:200] + more[:3])
+    proj = kind()
+    async for rec in eventlog.replay(1):
+        proj.skip(rec.seq) if isinstance(rec, Undecodable) else proj.apply(rec)
+    then = proj.snapshot()
+    doc = proj.snapshot_document()
+    last = await eventlog.append_many(envs[200:] + more[3:])
+    async for rec in eventlog.replay(proj.seq + 1):
+        proj.skip(rec.seq) if isinstance(rec, Undecodable) else proj.apply(rec)
+    assert proj.seq == last[-1] and proj.snapshot() != then  # the folds changed the projection
+    assert encode_json(doc) == then

@@ -72,6 +72,7 @@ class Cycle:
         self.planned = False  # allocate ran: self.waiting holds every job left waiting
         self.waiting: list[tuple[PendingJob, str]] = []  # not placed, in the order tried, with what they may use
         self.ends: list[tuple[float, str, Footprint]] = []  # jobs placed this cycle: when they free up
+        self._shares: dict[int, float] = {}  # id(spec) -> share, for specs the snapshot holds
         self.allocated: dict[str, float] = {}  # per queue, in GPU-equivalents of the dominant resource
         self.held: dict[str, float] = {}  # per queue and ancestor, against limits: running, placed, promised
         for r in snapshot.running:
@@ -366,8 +367,12 @@ class Cycle:
             self.unschedulable[job.job_id] = f"waiting for preemption of {names} (grace {self.policy.grace_s} s)"
 
     def share(self, spec: JobSpec) -> float:
-        """A job's size for fair share: GPU-equivalents of its dominant resource."""
-        return job_share(spec, self.snap.ratios)
+        """A job's size for fair share: GPU-equivalents of its dominant resource (once per spec and cycle: the
+        snapshot holds every spec while the cycle runs, so its id names it)."""
+        found = self._shares.get(id(spec))
+        if found is None:
+            found = self._shares[id(spec)] = job_share(spec, self.snap.ratios)
+        return found
 
     def reclaim(self, requests: Sequence[ReclaimRequest | tuple[str, float]]) -> None:
         """Free GPU-equivalents for queues below their entitlement by evicting other queues' gangs.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from services.scheduler.core import Plan, Policy, ReclaimRequest, run_cycle
 from services.scheduler.snapshot import Snapshot, snapshot_from_cluster
 from shared.cluster import ClusterProjection
-from shared.fairshare import job_share, leaves, reclaim_requests
+from shared.fairshare import leaves, reclaim_requests
 from shared.model import QueueSpec
 from shared.settings import Settings
 
@@ -71,7 +71,7 @@ def cycle_input(proj: ClusterProjection, policy: Policy, now: float, half_life_s
     smallest: dict[str, float] = {}
     for job in proj.jobs.values():
         if job.state == "queued":
-            smallest[job.spec.queue] = min(smallest.get(job.spec.queue, float("inf")), job_share(job.spec, ratios))
+            smallest[job.spec.queue] = min(smallest.get(job.spec.queue, float("inf")), job.share(ratios))
     reclaims = reclaim_requests(queues, alloc, waiting, leaf_ent, smallest)
     return CycleInput(snapshot_from_cluster(proj, now, leaf_ent), queue_policy(policy, queues), now, tuple(reclaims))
 

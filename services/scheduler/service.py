@@ -34,6 +34,11 @@ from shared.telemetry import JobTraces, span
 log = logging.getLogger("gpuorch.scheduler")
 
 PLACE_AT_ONCE = 256  # placements appended concurrently
+# after a cycle that worked for T seconds (read and decide), an event wakes the next one no sooner than REST x T
+# later (the timer's ticks too): a cycle over 10,000 waiting jobs takes 100-200 ms of CPU, and woken by every
+# submission it ran back to back, a core's worth beside the API (Slurm's quick scheduler looks at the first 100
+# jobs for the same reason). A small backlog's cycles take milliseconds: their rest stays the debounce.
+REST = 2.0
 
 RELEVANT = ("job.queued", "job.requeued", "job.succeeded", "job.failed", "job.cancelled", "job.preempted", "node.", "gpu.", "queue.")
 
@@ -47,6 +52,7 @@ class Scheduler:
         self.policy = configured_policy(settings)
         self.interval = settings.cycle_interval_s
         self.debounce = settings.debounce_s
+        self.worked_s = 0.0  # the last cycle's read and decision, in seconds: the next one rests REST times that
         self.wake = asyncio.Event()
         self.leadership = Leadership("scheduler", source="/gpuorch/scheduler", on_acquired=self.wake.set)
         self.history = JobHistory(settings.db_url, Path(settings.data_dir))
@@ -85,7 +91,8 @@ class Scheduler:
     async def cycle_loop(self, svc: Service) -> None:
         while not svc.stop_event.is_set():
             await wait_event(self.wake, self.interval)
-            await asyncio.sleep(self.debounce)  # let a burst of events land before deciding
+            # let a burst of events land before deciding; after a long cycle, rest in proportion (REST)
+            await asyncio.sleep(max(self.debounce, REST * self.worked_s))
             self.wake.clear()
             if not self.leadership.leader.is_set():
                 continue
@@ -102,7 +109,8 @@ class Scheduler:
         read = await self.svc.read_in_thread(lambda: cycle_input(self.proj, self.policy, now, self.settings.half_life_s,
                                                                  self.settings.reclaim_after_s))
         plan = await asyncio.to_thread(read.decide)
-        self.svc.metrics.cycle_seconds.labels("scheduler").observe(time.perf_counter() - t0)
+        self.worked_s = time.perf_counter() - t0
+        self.svc.metrics.cycle_seconds.labels("scheduler").observe(self.worked_s)
         self.events.placements.observe(len(plan.placements))
         # a cycle that decided something is a trace of its own (an idle tick makes none); each job's decision is a
         # span in the job's trace, linked to the cycle's

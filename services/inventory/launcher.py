@@ -41,7 +41,7 @@ def _ids(text: str) -> list[int]:
     return [_id(t) for t in text.split(",") if t]
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launcher.py")
     p.add_argument("exit_file")
     p.add_argument("--cwd")
@@ -49,6 +49,16 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--uid", type=_id)
     p.add_argument("--gid", type=_id)
     p.add_argument("--groups", type=_ids, default=[])
+    return p
+
+
+_PARSERS: list[argparse.ArgumentParser] = []  # the forker's one parser, made once (parse_args keeps no state)
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if not _PARSERS:
+        _PARSERS.append(_parser())
+    p = _PARSERS[0]
     if "--" not in argv or argv[-1] == "--":
         p.error("the command follows --")
     sep = argv.index("--")
@@ -70,7 +80,10 @@ def read_env(path: str) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    args, cmd = parse(argv)
+    return run(*parse(argv))
+
+
+def run(args: argparse.Namespace, cmd: list[str]) -> int:
     switch = args.uid is not None
     try:
         env = read_env(args.env_file) if args.env_file else None
@@ -108,16 +121,24 @@ def serve(fd: int) -> int:
             if len(fds) != 2:
                 raise ValueError(f"a request carries stdout and stderr, not {len(fds)} descriptors")
             req = json.loads(body)
+            # parsed here, not in the fork: argparse's first parse in a fresh fork cost 5 ms of its CPU (lazy
+            # imports, regexes, copied pages), most of a short task's launch
+            parsed = parse(list(req["argv"]))
             ready_r, ready_w = os.pipe()
             pid = os.fork()
-        except (OSError, ValueError) as e:
+        except SystemExit as e:  # parse() refused the arguments, and said why on stderr
+            for f in fds:
+                os.close(f)
+            sock.send(f"error bad launcher arguments (exit {e.code})".encode())
+            continue
+        except (OSError, ValueError, KeyError, TypeError) as e:
             for f in fds:
                 os.close(f)
             sock.send(f"error {e}".encode())
             continue
         if pid == 0:
             os.close(ready_r)
-            _launch_forked(sock, fds, req, ready_w)
+            _launch_forked(sock, fds, req["cwd"], parsed, ready_w)
         for f in (*fds, ready_w):
             os.close(f)
         os.read(ready_r, 1)  # its session exists (or it died): a stop signalled to its group from now on reaches it
@@ -135,7 +156,8 @@ def _reap(*_: object) -> None:
             return
 
 
-def _launch_forked(sock: socket.socket, fds: list[int], req: dict, ready: int) -> None:
+def _launch_forked(sock: socket.socket, fds: list[int], cwd: str, parsed: tuple[argparse.Namespace, list[str]],
+                   ready: int) -> None:
     """In the fork: become the task's launcher (its own session, the task's logs as stdout and stderr, its
     directory), as if started by the agent, then exit. The socket is closed first: no task can ask for another."""
     code = 1
@@ -148,8 +170,8 @@ def _launch_forked(sock: socket.socket, fds: list[int], req: dict, ready: int) -
             os.dup2(f, target)
             os.close(f)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the launcher waits for its task
-        os.chdir(req["cwd"])
-        code = main(list(req["argv"]))
+        os.chdir(cwd)
+        code = run(*parsed)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 2
     except BaseException:  # noqa: BLE001 - the fork never returns into the serving loop

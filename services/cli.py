@@ -141,7 +141,7 @@ def agent(
     except (OSError, ValueError, KeyError) as e:
         fail(f"--nats-credentials {nats_credentials}: {e}")
     try:
-        asyncio.run(run_agent(node, nats, host, port, work_dir, nvml, kill_tasks_on_exit=kill_tasks_on_exit,
+        aio.run(run_agent(node, nats, host, port, work_dir, nvml, kill_tasks_on_exit=kill_tasks_on_exit,
                               user_map=users, allow_root_tasks=allow_root_tasks, user=user, password=password,
                               replicas=replicas))
     except PermissionError as e:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, bindparam, insert, update
 from sqlmodel import Field, Session, SQLModel, create_engine, select
 
 from shared import events as ev
@@ -80,14 +80,28 @@ def _add_missing_columns(engine: Engine) -> None:
 ENDS = {ev.JobSucceeded: "succeeded", ev.JobFailed: "failed", ev.JobCancelled: "cancelled", ev.JobRejected: "rejected"}
 
 
-def fold_row(row: JobRow | None, env: Envelope) -> JobRow | None:
+class Row:
+    """A job's row while a batch folds: plain attributes (an ORM object paid SQLAlchemy's bookkeeping on every
+    attribute set and flush: 60 us an event, an eighth of the stack's CPU during batch submissions)."""
+
+    __slots__ = COLUMNS = tuple(JobRow.model_fields)
+
+    def __init__(self, **values: object) -> None:
+        for name in self.COLUMNS:
+            setattr(self, name, values[name] if name in values else JobRow.model_fields[name].default)
+
+    def values(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.COLUMNS}
+
+
+def fold_row(row: Row | None, env: Envelope) -> Row | None:
     """One job event onto its row (None for events that are not about jobs, or a job never submitted)."""
     e, t = env.data, env.timestamp
     if isinstance(e, ev.JobSubmitted):
         s = e.spec
-        return row or JobRow(job_id=e.job_id, name=s.name, queue=s.queue, priority=s.priority, state="submitted",
-                             tasks=s.tasks, gpu_milli=s.gpu_milli * s.tasks, submitted_at=e.submitted_at or t,
-                             owner=e.owner or "")
+        return row or Row(job_id=e.job_id, name=s.name, queue=s.queue, priority=s.priority, state="submitted",
+                          tasks=s.tasks, gpu_milli=s.gpu_milli * s.tasks, submitted_at=e.submitted_at or t,
+                          owner=e.owner or "")
     if row is None:
         return None
     if isinstance(e, ev.JobQueued):
@@ -139,17 +153,24 @@ class JobHistory:
             if todo:
                 cur.seq = max(env.seq for env in todo)
             todo = [env for env in todo if not isinstance(env, Undecodable) and env.data.aggregate == "job"]
-            # the batch's rows in a few queries, not one per job (a flood's batch holds a thousand new jobs)
+            # the batch's rows in a few queries, not one per job (a flood's batch holds a thousand new jobs); then
+            # one INSERT of the new rows and one UPDATE of the others, each with many parameter sets
+            table = JobRow.__table__
             ids = list(dict.fromkeys(env.data.job_id for env in todo))
-            rows: dict[str, JobRow | None] = dict.fromkeys(ids)
+            rows: dict[str, Row | None] = dict.fromkeys(ids)
             for i in range(0, len(ids), 500):
-                rows.update((r.job_id, r) for r in s.exec(select(JobRow).where(JobRow.job_id.in_(ids[i:i + 500]))))
+                found = s.connection().execute(select(table).where(table.c.job_id.in_(ids[i:i + 500])))
+                rows.update((r.job_id, Row(**r._mapping)) for r in found)
+            stored = {job_id for job_id, row in rows.items() if row is not None}
             for env in todo:
                 rows[env.data.job_id] = fold_row(rows[env.data.job_id], env)
             applied = len(todo)
-            for row in rows.values():
-                if row is not None:
-                    s.add(row)
+            new = [row.values() for job_id, row in rows.items() if row is not None and job_id not in stored]
+            old = [{**row.values(), "key": job_id} for job_id, row in rows.items() if row is not None and job_id in stored]
+            if new:
+                s.connection().execute(insert(table), new)
+            if old:
+                s.connection().execute(update(table).where(table.c.job_id == bindparam("key")), old)
             s.add(cur)
         return applied
 

@@ -65,3 +65,17 @@ async def test_the_history_follows_the_log(eventlog: EventLog, tmp_path):
     finally:
         task.cancel()
     assert history.get("j00000002").state == "succeeded"
+
+
+def test_rows_folded_over_many_batches_equal_one_batch(history: JobHistory, tmp_path):
+    """Each batch inserts the rows it creates and updates the rows earlier batches stored (one statement each):
+    folded seven events at a time, every row ends as folded at once."""
+    envs = [replace(e, seq=i + 1) for i, e in enumerate(workload(300))]
+    for i in range(0, len(envs), 7):
+        history.apply(envs[i:i + 7])
+    at_once = JobHistory(None, tmp_path / "at-once")
+    at_once.apply(envs)
+    ids = {e.data.job_id for e in envs if e.data.aggregate == "job"}
+    assert len(ids) > 20
+    for job_id in ids:
+        assert history.get(job_id).model_dump() == at_once.get(job_id).model_dump(), job_id

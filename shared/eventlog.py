@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
@@ -43,6 +44,7 @@ TELEMETRY_STREAM = "GPUORCH_TELEMETRY"
 AGENT_STREAM = "GPUORCH_AGENT"  # agents' reports, checked by inventory before they reach the log
 WORK_STREAM = "GPUORCH_WORK"  # each node's current work, one message per (node, job): what its agent reads
 SNAPSHOT_BUCKET = "gpuorch-snapshots"
+SNAPSHOT_ENCODING = "zlib"  # a snapshot object's Gpuorch-Encoding header: deflated (RFC 1950)
 HEARTBEAT_BUCKET = "gpuorch_heartbeats"
 LEASE_BUCKET = "gpuorch_leases"
 LEASE_TTL_S = 3.0  # a dead holder's lease lapses this long after its last renewal; holders renew every second
@@ -777,11 +779,18 @@ class EventLog:
         return await self.until_ready(get_or_create, f"bucket {bucket}")
 
     async def save_snapshot(self, name: str, seq: int, state: bytes) -> None:
+        """Store a service's snapshot, compressed: the object store hands an object back at about 20 MB/s (its
+        chunks come through an ordered push consumer), and 20,000 jobs' JSON (15 MB, 0.8 s to read back, most of a
+        restart) deflates about thirty-fold in 0.1 s."""
         store = await self._snapshots()
-        await store.put(name, state, meta=api.ObjectMeta(name=name, headers={"Gpuorch-Seq": str(seq)}))
+        packed = await asyncio.to_thread(zlib.compress, state, 1)
+        await store.put(name, packed, meta=api.ObjectMeta(name=name, headers={
+            "Gpuorch-Seq": str(seq), "Gpuorch-Encoding": SNAPSHOT_ENCODING}))
 
     async def load_snapshot(self, name: str) -> tuple[int, bytes] | None:
-        """(sequence, state) of a service's snapshot, None if it has none; waits out a cluster still electing."""
+        """(sequence, state) of a service's snapshot, None if it has none; waits out a cluster still electing. A
+        snapshot that does not inflate reads as empty (the service then replays the log: a snapshot is a
+        shortcut)."""
         async def load() -> tuple[int, bytes] | None:
             store = await self._snapshots()
             try:
@@ -789,7 +798,14 @@ class EventLog:
             except (nats.js.errors.ObjectNotFoundError, NotFoundError, nats.js.errors.ObjectDeletedError):
                 return None
             headers = (obj.info.headers or {}) if obj.info else {}
-            return int(headers.get("Gpuorch-Seq", "0")), obj.data or b""
+            data = obj.data or b""
+            if headers.get("Gpuorch-Encoding") == SNAPSHOT_ENCODING:  # else written before snapshots were compressed
+                try:
+                    data = await asyncio.to_thread(zlib.decompress, data)
+                except zlib.error as e:
+                    log.warning("event=snapshot_unreadable name=%s error=%r action=full_replay", name, e)
+                    data = b""
+            return int(headers.get("Gpuorch-Seq", "0")), data
 
         return await self.until_ready(load, "the snapshot store")
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from nats.js import api
 
 from bench.workload import workload
 from shared import events as ev
-from shared.eventlog import STREAM, ConcurrencyConflict, EventLog, Undecodable
+from shared.eventlog import SNAPSHOT_ENCODING, STREAM, ConcurrencyConflict, EventLog, Undecodable
 from shared.events import Envelope
 
 
@@ -78,6 +79,22 @@ async def test_snapshots_round_trip_large_states(eventlog: EventLog):
     await eventlog.save_snapshot("scheduler", 1234, blob)
     assert await eventlog.load_snapshot("scheduler") == (1234, blob)
     assert await eventlog.load_snapshot("nobody") is None
+
+
+async def test_snapshots_are_stored_deflated_and_older_ones_still_read(eventlog: EventLog):
+    """The object store reads back at about 20 MB/s: a snapshot is stored deflated (a restart read 15 MB in 0.8 s);
+    one stored before that (no encoding header) reads as it is, and one that does not inflate reads as empty (the
+    service replays the log instead)."""
+    blob = b'{"jobs": [' + b'{"state": "queued"},' * 100_000 + b'{}]}'
+    await eventlog.save_snapshot("scheduler", 7, blob)
+    store = await eventlog._snapshots()
+    assert (await store.get_info("scheduler")).size < len(blob) // 20
+    assert await eventlog.load_snapshot("scheduler") == (7, blob)
+    await store.put("old", b"plain", meta=api.ObjectMeta(name="old", headers={"Gpuorch-Seq": "3"}))
+    assert await eventlog.load_snapshot("old") == (3, b"plain")
+    await store.put("bad", b"not deflated", meta=api.ObjectMeta(name="bad", headers={
+        "Gpuorch-Seq": "4", "Gpuorch-Encoding": SNAPSHOT_ENCODING}))
+    assert await eventlog.load_snapshot("bad") == (4, b"")
 
 
 async def test_a_raw_replay_decodes_to_the_same_records(eventlog: EventLog):

@@ -131,6 +131,8 @@ RULES: dict[str, Rule] = {
                                        ("tests/test_scheduler_stack.py",)),
     "decide beside the folds": Rule("the core decides on the cycle's copy while folds go on; only the read holds "
                                     "them", ("tests/test_cycle_thread.py",)),
+    "a quiet spell's event at once": Rule("cycles start a debounce apart, but the first event after a quiet "
+                                          "spell starts one at once", ("tests/test_cycle_thread.py",)),
     "a snapshot copies out": Rule("the snapshot document taken under the held folds shares nothing later folds "
                                   "change", ("tests/test_snapshot_thread.py",)),
     "a long cycle rests": Rule("after a cycle that worked T seconds, the next starts no sooner than REST x T later",
@@ -392,7 +394,10 @@ MUTANTS: tuple[Mutant, ...] = (
     M("snapshot-shares-the-terms", "a snapshot copies out", "shared/projection.py",
       '"terms": Encoded(to_json(self.terms)),', '"terms": self.terms,'),
     M("cycles-back-to-back", "a long cycle rests", "services/scheduler/service.py",
-      "await asyncio.sleep(max(self.debounce, REST * self.worked_s))", "await asyncio.sleep(self.debounce)"),
+      "ended + max(self.debounce, REST * self.worked_s)", "ended + self.debounce"),
+    M("every-wake-waits-a-debounce", "a quiet spell's event at once", "services/scheduler/service.py",
+      "await asyncio.sleep(max(0.0, ended + max(self.debounce, REST * self.worked_s) - time.monotonic()))",
+      "await asyncio.sleep(max(self.debounce, REST * self.worked_s))"),
 )
 
 

@@ -104,3 +104,27 @@ async def test_after_a_long_cycle_the_next_rests_in_proportion(eventlog: EventLo
         gaps = [b - a for a, b in zip(starts[t0:], starts[t0 + 1:])]
         assert len(gaps) >= 3, gaps
         assert min(gaps) >= 0.2 * (1 + 2.0) - 0.02, gaps  # the work, then twice the work's rest
+
+
+async def test_an_event_after_a_quiet_spell_is_decided_at_once(eventlog: EventLog, monkeypatch: pytest.MonkeyPatch):
+    """Cycles start a debounce apart, but the first event after a quiet spell does not wait one (each job ending on
+    a full node waited it before the next was placed: bench.e2e)."""
+    starts: list[float] = []
+    real = CycleInput.decide
+
+    def decide(self):
+        starts.append(time.monotonic())
+        return real(self)
+
+    monkeypatch.setattr(CycleInput, "decide", decide)
+    async with in_process_stack(eventlog, debounce_s=2.0, cycle_interval_s=60):
+        await until(lambda: _true(bool(starts)), 10, "the first cycle")
+        await asyncio.sleep(2.5)  # quiet for longer than a debounce
+        seen = len(starts)
+        t = time.monotonic()
+        await eventlog.append(Envelope(ev.NodeRegistered(node_id="n1", node=node("n1").gpus(1).build())))
+        await until(lambda: _true(len(starts) > seen), 10, "a cycle for the new node")
+        assert starts[seen] - t < 1.0, "the cycle waited out the debounce"
+        await eventlog.append(Envelope(ev.NodeRegistered(node_id="n2", node=node("n2").gpus(1).build())))
+        await until(lambda: _true(len(starts) > seen + 1), 10, "a cycle for the next node")
+        assert starts[seen + 1] - starts[seen] >= 2.0 - 0.02, "two cycles closer than the debounce"

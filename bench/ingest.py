@@ -8,7 +8,7 @@ jobs, so that every measured job is accepted and then waits queued: no task runs
 see every job. Each run measures, in the same stack:
 
 - ``batch``:  jobs/s accepted in batches of 100 (a JSON list), 4 clients posting 5 batches each;
-- ``single``: jobs/s accepted one per request, 64 concurrent clients (bench.loadgen: keep-alive connections), 8 jobs each;
+- ``single``: jobs/s accepted one per request, 64 concurrent clients (``bench.loadgen``), 8 jobs each;
 - ``open``:   POST latency p50/p99 at 200 jobs/s offered for 4 s (open loop: a request starts on time whether
   or not the earlier ones have answered).
 

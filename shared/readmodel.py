@@ -166,7 +166,8 @@ class JobHistory:
                 rows[env.data.job_id] = fold_row(rows[env.data.job_id], env)
             applied = len(todo)
             new = [row.values() for job_id, row in rows.items() if row is not None and job_id not in stored]
-            old = [{**row.values(), "key": job_id} for job_id, row in rows.items() if row is not None and job_id in stored]
+            old = [{**row.values(), "key": job_id} for job_id, row in rows.items()
+                   if row is not None and job_id in stored]
             if new:
                 s.connection().execute(insert(table), new)
             if old:

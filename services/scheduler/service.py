@@ -1,4 +1,4 @@
-"""The scheduler service: a cycle on relevant events (at most one per debounce) and on a timer, run by the lease holder.
+"""The scheduler service: a cycle on relevant events (at most one per debounce) and on a timer, by the lease holder.
 
 The cycle itself is the pure ``decide`` (decide.py); this adapter reads its clock
 once, appends the plan, and waits until its own events are folded before the next

@@ -21,7 +21,8 @@ class Settings(BaseSettings):
     snapshot_every: int = 10_000
     cycle_interval_s: float = 2.0  # scheduler and other deciders run at least this often
     heartbeat_timeout_s: float = 10.0  # a node silent this long is lost (health)
-    debounce_s: float = 0.05
+    debounce_s: float = 0.02  # deciders' cycles start at least this far apart (bench.e2e: 0.05 cost a one-node
+    # mix a third of its throughput; bench.ingest: 0.01 lengthened the POST tail over a long queue)
     reason_refresh_s: float = 300.0  # a waiting job's reason is logged when its kind changes, else at most this often
     policy: str = "fgd+"  # FGD with CPU-aware fragmentation: above published FGD on every openb workload
     half_life_s: float = 7 * 86400  # decayed usage for fair share, as Slurm's PriorityDecayHalfLife

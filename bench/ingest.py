@@ -51,16 +51,21 @@ def client(stack: Stack) -> httpx.AsyncClient:
 FAILED: dict[int | str, int] = {}
 
 
+def count(answer: int | str, text: str = "") -> None:
+    """An answer other than 201 (a status, or the name of the client's error) into FAILED; one that is neither
+    503 nor a dropped connection ends the bench."""
+    FAILED[answer] = FAILED.get(answer, 0) + 1
+    if isinstance(answer, int) and answer != 503:
+        raise RuntimeError(f"POST /v1/jobs answered {answer}: {text[:300]}")
+
+
 async def post(c: httpx.AsyncClient, body: object) -> None:
     try:
         r = await c.post("/v1/jobs", json=body)
     except httpx.HTTPError as e:  # a connection the server dropped under load
-        FAILED[type(e).__name__] = FAILED.get(type(e).__name__, 0) + 1
-        return
+        return count(type(e).__name__)
     if r.status_code != 201:
-        FAILED[r.status_code] = FAILED.get(r.status_code, 0) + 1
-        if r.status_code not in (503,):
-            raise RuntimeError(f"POST /v1/jobs answered {r.status_code}: {r.text[:300]}")
+        count(r.status_code, r.text)
 
 
 def lean(stack: Stack) -> Client:
@@ -70,16 +75,13 @@ def lean(stack: Stack) -> Client:
 
 
 async def fire(c: Client, raw: bytes) -> None:
-    """One prepared POST /v1/jobs, counted in FAILED unless 201 (as ``post``)."""
+    """One prepared POST /v1/jobs, as ``post``."""
     try:
         r = await c.send(raw)
     except OSError as e:
-        FAILED[type(e).__name__] = FAILED.get(type(e).__name__, 0) + 1
-        return
+        return count(type(e).__name__)
     if r.status != 201:
-        FAILED[r.status] = FAILED.get(r.status, 0) + 1
-        if r.status not in (503,):
-            raise RuntimeError(f"POST /v1/jobs answered {r.status}: {r.body[:300]!r}")
+        count(r.status, r.body.decode(errors="replace"))
 
 
 async def batches(c: Client, clients: int = 4, each: int = 5, size: int = 100) -> float:

@@ -23,9 +23,6 @@ class Answer:
     def __init__(self, status: int, body: bytes, headers: dict[str, str]) -> None:
         self.status, self.body, self.headers = status, body, headers
 
-    def json(self) -> Any:
-        return json.loads(self.body)
-
 
 class _Conn(asyncio.Protocol):
     """One keep-alive connection: request() writes, the parser's callbacks fill the answer, a future wakes."""
@@ -70,7 +67,7 @@ class _Conn(asyncio.Protocol):
 
 class Client:
     """Keep-alive connections to one server, made on demand, one request in flight on each (like a pool of
-    independent clients). ``await client.request("POST", "/v1/jobs", body)``; ``body`` is bytes or JSON-able."""
+    independent clients): ``raw = client.prepare("POST", "/v1/jobs", body)`` once, then ``await client.send(raw)``."""
 
     def __init__(self, base_url: str, headers: dict[str, str] | None = None) -> None:
         url = urlsplit(base_url)
@@ -88,7 +85,7 @@ class Client:
         return c
 
     def prepare(self, method: str, path: str, body: Any = None) -> bytes:
-        """The request's bytes: build them once and send them many times."""
+        """The request's bytes (``body``: bytes or JSON-able): build them once and send them many times."""
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         head = f"{method} {path} HTTP/1.1\r\n{self._head}"
         if data is not None:
@@ -109,9 +106,6 @@ class Client:
         if answer.headers.get("connection", "").lower() != "close":
             self._idle.append(c)
         return answer
-
-    async def request(self, method: str, path: str, body: Any = None) -> Answer:
-        return await self.send(self.prepare(method, path, body))
 
     def close(self) -> None:
         for c in self._idle:

@@ -22,6 +22,7 @@ Standard library only: it starts in milliseconds.
 """
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -41,6 +42,7 @@ def _ids(text: str) -> list[int]:
     return [_id(t) for t in text.split(",") if t]
 
 
+@functools.cache  # the forker's one parser, made once (parse_args keeps no state)
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launcher.py")
     p.add_argument("exit_file")
@@ -52,13 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_PARSERS: list[argparse.ArgumentParser] = []  # the forker's one parser, made once (parse_args keeps no state)
-
-
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    if not _PARSERS:
-        _PARSERS.append(_parser())
-    p = _PARSERS[0]
+    p = _parser()
     if "--" not in argv or argv[-1] == "--":
         p.error("the command follows --")
     sep = argv.index("--")

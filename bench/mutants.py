@@ -137,6 +137,9 @@ RULES: dict[str, Rule] = {
                                   "change", ("tests/test_snapshot_thread.py",)),
     "a long cycle rests": Rule("after a cycle that worked T seconds, the next starts no sooner than REST x T later",
                                ("tests/test_cycle_thread.py",)),
+    "the reaper wakes when due": Rule("the agent's reaper rests while every exit would wake it, and still runs at "
+                                      "once on an exit, a stop, a refusal, and when a grace ends",
+                                      ("tests/inventory/test_reaper_wake.py",)),
 }
 
 
@@ -398,6 +401,12 @@ MUTANTS: tuple[Mutant, ...] = (
     M("every-wake-waits-a-debounce", "a quiet spell's event at once", "services/scheduler/service.py",
       "await asyncio.sleep(max(0.0, ended + max(self.debounce, REST * self.worked_s) - time.monotonic()))",
       "await asyncio.sleep(max(self.debounce, REST * self.worked_s))"),
+    M("reaper-ignores-a-grace-deadline", "the reaper wakes when due", "services/inventory/agent.py",
+      "wait = min(wait, t.kill_at - now)", "pass"),
+    M("a-stop-does-not-wake-the-reaper", "the reaper wakes when due", "services/inventory/agent.py",
+      "self.exited.set()  # the reaper's next round is due when the grace ends", "pass"),
+    M("unwatched-exits-are-not-polled", "the reaper wakes when due", "services/inventory/agent.py",
+      "wait = min(wait, REAP_POLL_S)\n                continue", "continue"),
 )
 
 

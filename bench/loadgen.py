@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,6 +34,7 @@ class _Conn(asyncio.Protocol):
         self.waiter: asyncio.Future[Answer] | None = None
         self.body: list[bytes] = []
         self.headers: dict[str, str] = {}
+        self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -65,6 +67,10 @@ class _Conn(asyncio.Protocol):
             self.waiter.set_result(answer)
 
 
+IDLE_KEPT_S = 2.0  # an idle connection older than this is closed, not reused: the server closes its idle ones after
+# 5 s (uvicorn's timeout_keep_alive), and a request written as it does so is reset (seen once in bench.ingest)
+
+
 class Client:
     """Keep-alive connections to one server, made on demand, one request in flight on each (like a pool of
     independent clients): ``raw = client.prepare("POST", "/v1/jobs", body)`` once, then ``await client.send(raw)``."""
@@ -80,7 +86,9 @@ class Client:
         while self._idle:
             c = self._idle.pop()
             if c.transport is not None and not c.transport.is_closing():
-                return c
+                if time.monotonic() - c.idle_since < IDLE_KEPT_S:
+                    return c
+                c.transport.close()
         _, c = await asyncio.get_running_loop().create_connection(_Conn, self.host, self.port)
         return c
 
@@ -104,6 +112,7 @@ class Client:
                 c.transport.close()
             raise
         if answer.headers.get("connection", "").lower() != "close":
+            c.idle_since = time.monotonic()
             self._idle.append(c)
         return answer
 

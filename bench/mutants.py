@@ -140,6 +140,8 @@ RULES: dict[str, Rule] = {
     "the reaper wakes when due": Rule("the agent's reaper rests while every exit would wake it, and still runs at "
                                       "once on an exit, a stop, a refusal, and when a grace ends",
                                       ("tests/inventory/test_reaper_wake.py",)),
+    "reports in task order": Rule("the outbox pipelines reports, but a task's exit goes only once its start is "
+                                  "acknowledged, and a registration goes alone", ("tests/inventory/test_outbox.py",)),
 }
 
 
@@ -405,6 +407,10 @@ MUTANTS: tuple[Mutant, ...] = (
       "wait = min(wait, t.kill_at - now)", "pass"),
     M("a-stop-does-not-wake-the-reaper", "the reaper wakes when due", "services/inventory/agent.py",
       "self.exited.set()  # the reaper's next round is due when the grace ends", "pass"),
+    M("two-reports-of-a-task-at-once", "reports in task order", "services/inventory/outbox.py",
+      "if task in tasks:\n                continue", "if False:\n                continue"),
+    M("a-registration-in-a-batch", "reports in task order", "services/inventory/outbox.py",
+      "return out or [(key, report)]", "out.append((key, report))\n                continue"),
     M("unwatched-exits-are-not-polled", "the reaper wakes when due", "services/inventory/agent.py",
       "wait = min(wait, REAP_POLL_S)\n                continue", "continue"),
 )

@@ -38,6 +38,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def forker_cpu(agent_pid: int) -> float:
+    """CPU seconds of the agent's forker and of the launchers (with their tasks) it has reaped."""
+    total = 0.0
+    for t in Path(f"/proc/{agent_pid}/task").iterdir():
+        for child in (t / "children").read_text().split():
+            fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 async def count(log: EventLog, type_: str) -> int:
     return len([r async for r in log.replay(1, ["gpuorch.events.job.>"]) if getattr(r, "type", "").endswith(f"{type_}.v1")])
 
@@ -68,7 +78,7 @@ async def run(tasks: int, idle_s: float, work: Path) -> dict:
             placement = TaskPlacement(task=0, node_id=node.node_id, gpus=(GpuShare(uuid=gpu.uuid, milli=1),))
             envs += [Envelope(ev.JobSubmitted(job_id=f"b{i}", spec=spec)), Envelope(ev.JobQueued(job_id=f"b{i}")),
                      Envelope(ev.JobPlaced(job_id=f"b{i}", placements=(placement,)))]
-        t0 = time.perf_counter()
+        t0, a0, f0 = time.perf_counter(), cpu_seconds(agent.pid), forker_cpu(agent.pid)
         await log.append_many(envs)
         started = 0
         while started < tasks:
@@ -78,7 +88,10 @@ async def run(tasks: int, idle_s: float, work: Path) -> dict:
         while await count(log, "task_exited") < tasks:
             await asyncio.sleep(0.2)
         total_rate = tasks / (time.perf_counter() - t0)
-        return {"tasks": tasks, "started_per_s": start_rate, "started_and_exited_per_s": total_rate, "idle_cpu_pct": idle_pct}
+        agent_ms = 1000 * (cpu_seconds(agent.pid) - a0) / tasks
+        launch_ms = 1000 * (forker_cpu(agent.pid) - f0) / tasks
+        return {"tasks": tasks, "started_per_s": start_rate, "started_and_exited_per_s": total_rate, "idle_cpu_pct": idle_pct,
+                "agent_cpu_ms_per_task": agent_ms, "launch_cpu_ms_per_task": launch_ms}
     finally:
         agent.send_signal(signal.SIGTERM)
         try:
@@ -103,9 +116,11 @@ def main() -> None:
             r = asyncio.run(run(args.tasks, args.idle_seconds, Path(tmp)))
         results.append(r)
         print(f"run: {r['started_per_s']:.1f} tasks started/s, {r['started_and_exited_per_s']:.1f} started+exited/s, "
-              f"idle agent CPU {r['idle_cpu_pct']:.2f}% of one core", flush=True)
-    med = {k: statistics.median(r[k] for r in results) for k in ("started_per_s", "started_and_exited_per_s", "idle_cpu_pct")}
-    print(f"\nmedian of {args.runs}: {med['started_per_s']:.1f} tasks started/s on one agent; "
+              f"CPU per task: agent {r['agent_cpu_ms_per_task']:.2f} ms, forker + launcher + task "
+              f"{r['launch_cpu_ms_per_task']:.2f} ms; idle agent CPU {r['idle_cpu_pct']:.2f}% of one core", flush=True)
+    med = {k: statistics.median(r[k] for r in results) for k in results[0] if k != "tasks"}
+    print(f"\nmedian of {args.runs}: {med['started_per_s']:.1f} tasks started/s on one agent; CPU per task: agent "
+          f"{med['agent_cpu_ms_per_task']:.2f} ms, forker + launcher + task {med['launch_cpu_ms_per_task']:.2f} ms; "
           f"idle CPU (heartbeat + telemetry at 1 s) {med['idle_cpu_pct']:.2f}% of one core "
           f"(target <= {CPU_TARGET_PCT}%: {'met' if med['idle_cpu_pct'] <= CPU_TARGET_PCT else 'missed'})")
 

@@ -111,8 +111,8 @@ def open_log(task_dir: Path, stream: str) -> int:
 def write_env(task_dir: Path, env: dict[str, str]) -> Path:
     path = task_dir / "env.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(env, f)
+    with os.fdopen(fd, "wb") as f:
+        f.write(json.dumps(env).encode())  # dumps, not dump: the C encoder (dump's chunks cost 8 % of an agent's CPU)
     return path
 
 

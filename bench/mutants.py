@@ -140,6 +140,9 @@ RULES: dict[str, Rule] = {
     "the reaper wakes when due": Rule("the agent's reaper rests while every exit would wake it, and still runs at "
                                       "once on an exit, a stop, a refusal, and when a grace ends",
                                       ("tests/inventory/test_reaper_wake.py",)),
+    "the cycle's read, one pass": Rule("one pass over the jobs gives each queue's held, wanted, waited-for and "
+                                       "smallest queued share; a waiting job's view is made again when it changes",
+                                       ("tests/scheduler/test_decide.py", SE)),
     "reports in task order": Rule("the outbox pipelines reports, but a task's exit goes only once its start is "
                                   "acknowledged, and a registration goes alone", ("tests/inventory/test_outbox.py",)),
 }
@@ -407,6 +410,12 @@ MUTANTS: tuple[Mutant, ...] = (
       "wait = min(wait, t.kill_at - now)", "pass"),
     M("a-stop-does-not-wake-the-reaper", "the reaper wakes when due", "services/inventory/agent.py",
       "self.exited.set()  # the reaper's next round is due when the grace ends", "pass"),
+    M("a-waiting-view-kept-after-a-preemption", "the cycle's read, one pass", "services/scheduler/snapshot.py",
+      "or view.preemptions != len(job.preemptions) ", ""),
+    M("every-pending-job-has-waited-long-enough", "the cycle's read, one pass", CLUSTER,
+      "if waited_before is None or job.updated_at <= waited_before:", "if True:"),
+    M("smallest-of-jobs-not-queued-yet", "the cycle's read, one pass", CLUSTER,
+      'if state == "queued" and gpus < smallest.get(q, float("inf")):', 'if gpus < smallest.get(q, float("inf")):'),
     M("two-reports-of-a-task-at-once", "reports in task order", "services/inventory/outbox.py",
       "if task in tasks:\n                continue", "if False:\n                continue"),
     M("a-registration-in-a-batch", "reports in task order", "services/inventory/outbox.py",

@@ -26,6 +26,8 @@ GPU-seconds.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,6 +68,7 @@ class Ratios:
     memory_mib: float = 0.0
 
     @staticmethod
+    @functools.lru_cache(maxsize=64)  # one object per cluster shape: a job's cached share then checks identity
     def of(gpus: float, cpu_milli: float, memory_mib: float) -> "Ratios":
         return Ratios(cpu_milli / gpus, memory_mib / gpus) if gpus > 0 else Ratios()
 

@@ -63,16 +63,11 @@ def cycle_input(proj: ClusterProjection, policy: Policy, now: float, half_life_s
     part of a cycle that reads the projection (the service holds its folds meanwhile, and only meanwhile)."""
     queues = proj.queues
     # 1. entitlements: the fair-share division of what the cluster holds now, by decayed usage
-    division = proj.division(now, half_life_s)
+    load = proj.queue_loads(waited_before=now - reclaim_after_s)
+    division = proj.division(now, half_life_s, load)
     leaf_ent = {q: division.entitlement.get(q, 0.0) for q in leaves(queues)}
     # 2. reclaim only for work that has waited a while: ordinary churn often frees the GPUs first, without evicting
-    alloc, waiting = proj.queue_load(waited_before=now - reclaim_after_s)
-    ratios = proj.share_ratios()
-    smallest: dict[str, float] = {}
-    for job in proj.jobs.values():
-        if job.state == "queued":
-            smallest[job.spec.queue] = min(smallest.get(job.spec.queue, float("inf")), job.share(ratios))
-    reclaims = reclaim_requests(queues, alloc, waiting, leaf_ent, smallest)
+    reclaims = reclaim_requests(queues, load.alloc, load.waited, leaf_ent, load.smallest)
     return CycleInput(snapshot_from_cluster(proj, now, leaf_ent), queue_policy(policy, queues), now, tuple(reclaims))
 
 

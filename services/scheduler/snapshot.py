@@ -13,7 +13,7 @@ from shared.fairshare import Ratios
 from shared.model import MILLI, PRIORITY_RANK, JobSpec
 
 if TYPE_CHECKING:  # shared.cluster pulls in the runtime (NATS, FastAPI); a pure core only reads its shape
-    from shared.cluster import ClusterProjection, NodeState
+    from shared.cluster import ClusterProjection, JobRecord, NodeState
 
 HOLDING = frozenset({"placed", "running", "preempting"})  # = shared.cluster.ACTIVE
 
@@ -183,7 +183,7 @@ def snapshot_from_cluster(
     pending, running = [], []
     for job in proj.jobs.values():
         if job.state == "queued":
-            pending.append(PendingJob(job.job_id, job.spec, job.submitted_at, len(job.preemptions), job.owner))
+            pending.append(pending_view(job))
         elif job.state in HOLDING:
             running.append(
                 RunningJob(
@@ -202,6 +202,17 @@ def snapshot_from_cluster(
     return Snapshot(nodes, tuple(pending), tuple(running), None if entitlements is None else dict(entitlements), now,
                     proj.share_ratios(), {q: s.limit.gpus for q, s in proj.queues.items() if s.limit is not None},
                     dependency_targets(proj, pending))
+
+
+def pending_view(job: JobRecord) -> PendingJob:
+    """The job as the core sees it waiting, made again only when one of its fields changed: at 10,000 waiting
+    jobs, making them anew took a third of the cycle's read, every fold held."""
+    view = job.__dict__.get("_pending")
+    if (view is None or view.spec is not job.spec or view.submitted_at != job.submitted_at
+            or view.preemptions != len(job.preemptions) or view.owner != job.owner):
+        view = job.__dict__["_pending"] = PendingJob(job.job_id, job.spec, job.submitted_at, len(job.preemptions),
+                                                     job.owner)
+    return view
 
 
 def dependency_targets(proj: ClusterProjection, pending: list[PendingJob]) -> dict[str, tuple[tuple[str, str], ...]]:

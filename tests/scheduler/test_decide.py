@@ -9,6 +9,8 @@ import pytest
 
 from services.scheduler.core import Policy
 from services.scheduler.decide import configured_policy, decide, effective_priority, queue_policy
+from services.scheduler.snapshot import pending_view
+from shared.fairshare import job_share
 from shared.model import GpuAmount, QueueSpec
 from shared.settings import Settings
 from tests.builders import ClusterBuilder, cluster, job, node
@@ -135,3 +137,48 @@ def test_a_queues_reclaim_priority_is_its_own_else_its_nearest_ancestors(path: s
               "research": QueueSpec(priority=1), "research.nlp": QueueSpec(priority=3), "exploration": QueueSpec()}
 
     assert effective_priority(queues, path) == priority
+
+
+# --- the cycle's read: one pass over the jobs, views made once --------------------------------------------------
+
+
+def test_the_one_pass_load_is_each_jobs_share_summed_by_state() -> None:
+    """``queue_loads`` (one pass: a cycle's read made four) against the sums written out job by job."""
+    c = borrowed()  # b: four running 2-GPU jobs; a: one 4-GPU job waiting since NOW - 100
+    c.pending(job("a1").gpus(1).queue("a").build(), "a1", at=NOW - 10)
+    c.proj.jobs["a1"].updated_at = NOW - 10
+    c.pending(job("b9").gpus(1).cpu(60_000).queue("b").build(), "b9")  # CPU-heavy: its dominant share is CPU
+    c.proj.jobs["b9"].state, c.proj.jobs["b9"].updated_at = "submitted", NOW - 10  # pending, not queued
+    c.ended(job("a-old").gpus(8).queue("a").build(), "a-old")
+    ratios = c.proj.share_ratios()
+    share = {j.job_id: job_share(j.spec, ratios) for j in c.proj.jobs.values()}
+
+    load = c.proj.queue_loads(waited_before=NOW - 50)
+
+    assert load.alloc == {"b": sum(share[f"b{i}"] for i in range(4))}
+    assert load.pending == {"a": share["a0"] + share["a1"], "b": share["b9"]}
+    assert load.waited == {"a": share["a0"]}, "a1 and b9 have not waited since NOW - 50"
+    assert load.smallest == {"a": share["a1"]}, "the smallest queued job; b9 is not queued yet"
+    assert share["b9"] > 1, "the oracle's shares are dominant-resource shares, not GPUs"
+    assert c.proj.queue_load() == (load.alloc, load.pending)
+    assert c.proj.queue_load(waited_before=NOW - 50) == (load.alloc, load.waited)
+
+
+def test_a_waiting_jobs_view_is_made_once_and_again_when_the_job_changes() -> None:
+    c = cluster(node("n1").gpus(8)).pending(job("w").gpus(1).build(), "w", at=5.0, owner="ann")
+    record = c.proj.jobs["w"]
+    first = pending_view(record)
+    assert pending_view(record) is first, "kept while nothing changed"
+    changes = [
+        lambda: record.preemptions.append(7.0),
+        lambda: setattr(record, "spec", job("w").gpus(2).build()),
+        lambda: setattr(record, "submitted_at", 6.0),
+        lambda: setattr(record, "owner", "bob"),
+    ]
+    for change in changes:
+        before = pending_view(record)
+        change()
+        after = pending_view(record)
+        assert after is not before
+        assert (after.spec, after.submitted_at, after.preemptions, after.owner) == (
+            record.spec, record.submitted_at, len(record.preemptions), record.owner)

@@ -101,8 +101,8 @@ async def test_each_agent_reads_the_work_of_its_own_node_only(eventlog: EventLog
     async with in_process_stack(eventlog) as (client, _), running(a.svc, eventlog), running(b.svc, eventlog):
         await nodes_up(client, 2)
         ids = []
-        for i in range(6):  # 4 GPUs a node: some land on each
-            r = await client.post("/v1/jobs", json={"name": f"w{i}", "command": ["true"], "resources": {"gpus": 1}})
+        for i in range(6):  # 4 GPUs a node, each held 3 s: some land on each (jobs of `true` may all end on one)
+            r = await client.post("/v1/jobs", json={"name": f"w{i}", "command": ["sleep", "3"], "resources": {"gpus": 1}})
             ids.append(r.json()["id"])
 
         async def all_done():

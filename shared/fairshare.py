@@ -27,7 +27,6 @@ GPU-seconds.
 from __future__ import annotations
 
 import functools
-
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import e2e
 from services.stack import build_service
 from shared import events as ev
 from shared.eventlog import EventLog
@@ -40,12 +41,7 @@ def cpu_seconds(pid: int) -> float:
 
 def forker_cpu(agent_pid: int) -> float:
     """CPU seconds of the agent's forker and of the launchers (with their tasks) it has reaped."""
-    total = 0.0
-    for t in Path(f"/proc/{agent_pid}/task").iterdir():
-        for child in (t / "children").read_text().split():
-            fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
-            total += sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-    return total
+    return sum(sum(e2e.cpu_seconds(child)) for child in e2e.children_of(agent_pid))
 
 
 async def count(log: EventLog, type_: str) -> int:

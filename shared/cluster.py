@@ -520,7 +520,7 @@ class ClusterProjection(Projection):
         """(allocated, pending) per leaf queue in GPU-equivalents of the dominant resource (see shared.fairshare;
         ``ratios=Ratios()``: in GPUs alone); with ``waited_before``, only jobs waiting since then count as pending."""
         load = self.queue_loads(waited_before, ratios)
-        return load.alloc, load.pending if waited_before is None else load.waited
+        return load.alloc, load.waited  # with no waited_before, every pending job has waited
 
     def queue_loads(self, waited_before: float | None = None, ratios: Ratios | None = None) -> "QueueLoad":
         """Every leaf queue's load in one pass over the jobs (see ``QueueLoad``; a cycle's read made four)."""

@@ -53,6 +53,25 @@ async def _wipe(url: str) -> None:
     await nc.close()
 
 
+@pytest.fixture(autouse=True)
+def _examples_independent_of_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Derandomized Hypothesis examples that do not depend on which modules the process imported.
+
+    Hypothesis mixes literals from every imported module of this project into what it draws
+    (``providers._get_local_constants``), so the same derandomized test drew other examples when other test
+    files were collected with it, and the branch shares of tests/scheduler/test_core_properties.py moved
+    (``pytest tests/scheduler`` failed a minimum that the full suite met). Here that pool is empty; Hypothesis's
+    own constants stay. Its cache of permitted constants is cleared on both sides of every test.
+    """
+    from hypothesis.internal.conjecture import providers
+
+    empty = providers.Constants()
+    monkeypatch.setattr(providers, "_get_local_constants", lambda: empty)
+    providers.CONSTANTS_CACHE.cache.clear()
+    yield
+    providers.CONSTANTS_CACHE.cache.clear()
+
+
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
     """A nats-server with JetStream on a free port and a temporary store.

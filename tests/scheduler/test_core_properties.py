@@ -34,7 +34,8 @@ from tests.scheduler import oracle
 from tests.scheduler.reference_scores import RefNode, RefPod, TieOrder, Typical, best, commit
 
 EXAMPLES = int(os.environ.get("GPUORCH_PROPERTY_EXAMPLES", "80"))  # raise it for a longer hunt
-# derandomized: the branch shares below are those of a known set of examples, so a share test cannot flake;
+# derandomized, and with no constants taken from imported modules (tests/conftest.py): the branch shares below
+# are those of a known set of examples, whatever else is collected, so a share test cannot flake;
 # GPUORCH_PROPERTY_RANDOM=1 draws fresh examples (with GPUORCH_PROPERTY_EXAMPLES, a longer hunt)
 RANDOM = os.environ.get("GPUORCH_PROPERTY_RANDOM") == "1"
 PROPERTY = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow],
@@ -534,10 +535,8 @@ def waits_are_real(s: Scenario) -> None:
 
 def test_a_job_left_waiting_has_no_placement_and_never_means_never(shares: Shares) -> None:
     check(shares, waits_are_real, "mixed", "preempt", "backfill")
-    # even derandomized, the examples move a little with what else the process imported before (seen: preempt's
-    # queue limit 17.5 to 23.8 %, mixed's 7.5 to 13.8 %): minimums below the lowest seen, not at it
-    shares.require({"mixed": {"waits: can never fit": 0.3, "waits for a queue limit": 0.04},
-                    "preempt": {"waits for a queue limit": 0.12},
+    shares.require({"mixed": {"waits: can never fit": 0.3, "waits for a queue limit": 0.08},
+                    "preempt": {"waits for a queue limit": 0.06},
                     "backfill": {"held back for the reservation": 0.1, "reservation held": 0.4, "waits: no room now": 0.35}})
 
 
@@ -575,9 +574,7 @@ def one_node_first(s: Scenario) -> None:
 
 def test_a_gang_spreads_over_nodes_only_when_no_node_holds_it(shares: Shares) -> None:
     check(shares, one_node_first, "gangs", examples=2 * PER_KIND)
-    # the examples move with what the process imported before (see above): 10.6 % alone, 3.8 % after
-    # tests/scheduler's other files; the minimum stays below the lowest seen
-    shares.require({"gangs": {"multi-node gang placed": 0.03}})
+    shares.require({"gangs": {"multi-node gang placed": 0.08}})
 
 
 def deterministic(s: Scenario) -> None:

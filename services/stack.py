@@ -19,6 +19,7 @@ import fcntl
 import importlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -35,8 +36,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.dashboard import dashboard_router
 from services.stack_procs import (AGENT_STOP_S, Child, Previous, StackFile, adopt_or_spawn_agents, agent_node,
-                                  child_env, durable_of, node_ids, parse_nodes, start_or_adopt_nats, stop_children,
-                                  stop_stale_services, supervise_nats)
+                                  child_env, durable_of, node_ids, parse_nodes, spawn_agent, start_or_adopt_nats,
+                                  stop_children, stop_stale_services, supervise_nats, wanted_agents)
 from shared import aio
 from shared.api_events import events_router
 from shared.api_tokens import tokens_router
@@ -176,13 +177,48 @@ class Run:
     server: NatsServer | None = None
     agents: dict[str, Child] = field(default_factory=dict)
     t0: float = field(default_factory=time.monotonic)
+    nodes: list[tuple[str, int]] = field(default_factory=list)  # --nodes: what supervise_agents starts again
+    creds: Credentials | None = None  # the agents' bus credentials (the embedded server's)
+    stopping: bool = False  # the agents are being stopped: none is started again
 
     def nats_restarted(self, server: NatsServer) -> None:
         self.stack_file.write(nats_pid=server.pid)
 
+    def record_agents(self) -> None:
+        self.stack_file.write(agents={n: a.pid for n, a in self.agents.items()},
+                              agent_pids=[a.pid for a in self.agents.values()])
+
+    async def supervise_agents(self) -> None:
+        """Start a simulated node's agent again when it dies (a crash, an OOM kill, a SIGKILL), as systemd would a
+        real node's: the new agent adopts the tasks still running in its work dir and reports those that ended
+        meanwhile, before the node's heartbeat times out (health would then fail its jobs: node lost). One that
+        keeps dying is started again ever more slowly (``restart_delay``)."""
+        wanted, restarted, backoff, due = wanted_agents(self.nodes), {}, {}, {}
+        while not self.stopping:
+            await asyncio.sleep(AGENT_POLL_S)
+            now = time.monotonic()
+            for node_id, child in list(self.agents.items()):
+                if self.stopping or node_id not in wanted or child.alive():
+                    continue
+                if node_id not in due:
+                    backoff[node_id] = restart_delay(backoff.get(node_id, 0.0), now - restarted.get(node_id, -math.inf))
+                    due[node_id] = now + backoff[node_id]
+                    log.warning("event=agent_died node=%s pid=%d code=%s action=restart after_s=%.1f", node_id,
+                                child.pid, child.proc.returncode if child.proc else None, backoff[node_id])
+                if now < due[node_id]:
+                    continue
+                del due[node_id]
+                profile, index = wanted[node_id]
+                self.agents[node_id] = await asyncio.to_thread(spawn_agent, self.settings, self.nats_url, profile,
+                                                               node_id, index, self.creds)
+                restarted[node_id] = time.monotonic()
+                self.record_agents()
+                log.info("event=agent_restarted node=%s pid=%d", node_id, self.agents[node_id].pid)
+
     async def stop_agents(self, evlog: EventLog, scheduler_durable: str) -> None:
         """Ctrl-C, first step: the simulated nodes stop while the services run, so each agent's interrupted tasks
         are reported, relayed and requeued now (what is not, is on the next start)."""
+        self.stopping = True
         live = [a for a in self.agents.values() if a.alive()]
         if not live:
             return
@@ -194,6 +230,15 @@ class Run:
 
 
 SETTLE_S = 5.0
+AGENT_POLL_S = 0.5  # how often `up` looks for dead agents
+AGENT_STABLE_S = 60.0  # an agent that lived this long after a restart is started again at once when it dies
+AGENT_BACKOFF_MAX_S = 30.0
+
+
+def restart_delay(last_s: float, lived_s: float) -> float:
+    """How long `up` waits to start a dead agent again: not at all if it lived a minute since `up` last started
+    it (or `up` never did), else twice the last wait, from 0.5 s up to 30 s."""
+    return 0.0 if lived_s >= AGENT_STABLE_S else min(AGENT_BACKOFF_MAX_S, max(AGENT_POLL_S, 2 * last_s))
 METRICS_TIMEOUT_S = 2.0  # the most the gateway's /metrics waits for one service's
 
 
@@ -225,7 +270,8 @@ async def _serve_one_process(run: Run, names: tuple[str, ...]) -> None:
     metrics = Metrics()
     services = [build_service(n, settings, metrics) for n in names]
     fold_once(services)
-    background = [asyncio.create_task(supervise_nats(run.server, run.nats_restarted))] if run.server else []
+    background = [asyncio.create_task(run.supervise_agents())]
+    background += [asyncio.create_task(supervise_nats(run.server, run.nats_restarted))] if run.server else []
 
     async def ready() -> None:
         await asyncio.gather(*(s.ready.wait() for s in services))
@@ -280,15 +326,15 @@ def _up_locked(settings: Settings, split: bool, signals: ProcessSignals) -> None
             creds.agent(node_id)
     server = None if settings.nats_url else start_or_adopt_nats(settings, creds, previous)
     nats_url = server.url if server else settings.nats_url or ""
-    run = Run(settings, nats_url, signals, StackFile(settings, nats_url, split), server, t0=t0)
+    run = Run(settings, nats_url, signals, StackFile(settings, nats_url, split), server, t0=t0, nodes=nodes,
+              creds=creds if server else None)
     try:
         run.stack_file.write(nats_pid=server.pid if server else None)
         if not signals.requested:
             asyncio.run(_prepare_log(settings, nats_url))
         if not signals.requested:
-            run.agents = adopt_or_spawn_agents(settings, nats_url, nodes, creds if server else None, previous)
-            run.stack_file.write(agents={n: a.pid for n, a in run.agents.items()},
-                                 agent_pids=[a.pid for a in run.agents.values()])
+            run.agents = adopt_or_spawn_agents(settings, nats_url, nodes, run.creds, previous)
+            run.record_agents()
         if not signals.requested:
             if split:
                 _run_split(run)
@@ -346,8 +392,9 @@ def _run_split(run: Run) -> None:
 
 async def _supervise(run: Run, ports: dict[str, int], procs: dict[str, subprocess.Popen]) -> None:
     """Restart a service process that died (crash, OOM kill, SIGKILL): it rebuilds its state from the log; and the
-    embedded nats-server."""
+    embedded nats-server, and the simulated nodes' agents."""
     settings, nats_url = run.settings, run.nats_url
+    agents = asyncio.create_task(run.supervise_agents())
     nats = asyncio.create_task(supervise_nats(run.server, run.nats_restarted)) if run.server else None
     try:
         while True:
@@ -361,6 +408,7 @@ async def _supervise(run: Run, ports: dict[str, int], procs: dict[str, subproces
                         json.dumps({n: {"port": ports[n], "pid": p.pid} for n, p in procs.items()}, indent=2)
                     )
     finally:
+        agents.cancel()
         if nats is not None:
             nats.cancel()
 

@@ -229,14 +229,17 @@ def agent_node(pid: int, settings: Settings) -> str | None:
     return node
 
 
+def wanted_agents(nodes: list[tuple[str, int]]) -> dict[str, tuple[str, int]]:
+    """node -> (profile, index: its rack is r<index // 4>)."""
+    pairs = [(profile, f"{profile}-{k}") for profile, count in nodes for k in range(count)]
+    return {node_id: (profile, i) for i, (profile, node_id) in enumerate(pairs)}
+
+
 def adopt_or_spawn_agents(settings: Settings, nats_url: str, nodes: list[tuple[str, int]], creds: Credentials | None,
                           previous: Previous) -> dict[str, Child]:
     """One agent per simulated node: the live one of the last stack if it talks to this NATS URL, else a new
     one. Agents of this data dir that are not wanted any more (or talk to another URL) are stopped first."""
-    wanted: dict[str, tuple[str, int]] = {}  # node -> (profile, index: its rack is r<index // 4>)
-    for profile, count in nodes:
-        for k in range(count):
-            wanted[f"{profile}-{k}"] = (profile, len(wanted))
+    wanted = wanted_agents(nodes)
     agents: dict[str, Child] = {}
     stale = []
     for pid in previous.agent_pids:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 
 from services.cli import verify_log
 from services.inventory.outbox import SEND_TIMEOUT_S
+from services.stack import restart_delay
 from services.scheduler.projection import SchedulerProjection
 from shared import events as ev
 from shared.cluster import agent_source
@@ -292,6 +294,40 @@ def test_an_agent_of_the_killed_stack_that_died_too_is_started_again(tmp_path: P
     job_id = submit(second, "after", ["sh", "-c", "exit 0"], tasks=2)
     assert wait_state(second, job_id, TERMINAL, 60)["state"] == "succeeded"
     assert second.stop() == 0
+
+
+def test_an_agent_that_keeps_dying_is_started_again_ever_more_slowly():
+    assert restart_delay(0.0, math.inf) == 0.0, "never restarted by this `up`: at once"
+    assert restart_delay(30.0, 61.0) == 0.0, "it ran a minute since its last start: at once again"
+    waits, last = [], 0.0
+    for _ in range(8):  # dies 2 s after every start
+        last = restart_delay(last, 2.0)
+        waits.append(last)
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-process", "split"])
+def test_an_agent_killed_while_its_task_runs_is_started_again_and_the_job_succeeds(tmp_path: Path,
+                                                                                   leftovers: list[Path], split: bool):
+    """`up` supervises its simulated nodes' agents as systemd would a real node's: a SIGKILLed agent is started
+    again before its heartbeat times out, adopts the task that ran on, and reports its exit once."""
+    data = tmp_path / "d"
+    leftovers.append(data)
+    stack = Stack(data, split=split, nodes="t4-4x:1").start()
+    wait_until(lambda: nodes_registered(stack, 1), 60, "the node to register")
+    job_id = submit(stack, "through", ["sleep", "4"])
+    wait_until(lambda: job_state(stack, job_id) == "running", 60, "the job to run")
+    dead = agents_by_node(stack.info())["t4-4x-0"]
+    os.kill(dead, signal.SIGKILL)
+    wait_until(lambda: agents_by_node(stack.info()).get("t4-4x-0", dead) != dead, 30, "the agent to be started again")
+    done = wait_state(stack, job_id, TERMINAL, 60)
+    events = kinds(history(stack, job_id))
+    assert done["state"] == "succeeded", (done, events)
+    assert events.count("job.succeeded") == 1 and events.count("job.task_started") == 1, events
+    assert real_invalid(stack) == []
+    info = stack.info()
+    assert stack.stop() == 0
+    assert not any(runs(p) for p in info["agent_pids"]), "the new agent stops with the stack"
 
 
 def test_the_services_of_a_killed_split_stack_are_replaced_and_its_running_job_succeeds(tmp_path: Path,

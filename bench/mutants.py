@@ -145,6 +145,10 @@ RULES: dict[str, Rule] = {
                                        ("tests/scheduler/test_decide.py", SE)),
     "reports in task order": Rule("the outbox pipelines reports, but a task's exit goes only once its start is "
                                   "acknowledged, and a registration goes alone", ("tests/inventory/test_outbox.py",)),
+    "agents supervised": Rule("`up` starts a dead agent again, at once unless it keeps dying, then ever more slowly",
+                              ("tests/test_restarts.py::test_an_agent_that_keeps_dying_is_started_again_ever_more_slowly",
+                               "tests/test_restarts.py::test_an_agent_killed_while_its_task_runs_is_started_again_and_"
+                               "the_job_succeeds")),
 }
 
 
@@ -422,6 +426,10 @@ MUTANTS: tuple[Mutant, ...] = (
       "return out or [(key, report)]", "out.append((key, report))\n                continue"),
     M("unwatched-exits-are-not-polled", "the reaper wakes when due", "services/inventory/agent.py",
       "wait = min(wait, REAP_POLL_S)\n                continue", "continue"),
+    M("dead-agents-left-dead", "agents supervised", "services/stack.py",
+      "if self.stopping or node_id not in wanted or child.alive():", "if True:"),
+    M("a-crash-loop-restarted-at-once", "agents supervised", "services/stack.py",
+      "return 0.0 if lived_s >= AGENT_STABLE_S else", "return 0.0 if True else"),
 )
 
 

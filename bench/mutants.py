@@ -145,6 +145,12 @@ RULES: dict[str, Rule] = {
                                        ("tests/scheduler/test_decide.py", SE)),
     "reports in task order": Rule("the outbox pipelines reports, but a task's exit goes only once its start is "
                                   "acknowledged, and a registration goes alone", ("tests/inventory/test_outbox.py",)),
+    "the gateway waits out a restart": Rule("the split gateway sends a request again while its service restarts: "
+                                            "any that was refused, an idempotent one that was cut off, no other",
+                                            ("tests/test_stack.py::test_the_gateway_sends_again_only_what_cannot_"
+                                             "have_been_acted_on",
+                                             "tests/test_stack.py::test_a_request_for_a_split_service_that_is_being_"
+                                             "restarted_waits_for_it")),
     "agents supervised": Rule("`up` starts a dead agent again, at once unless it keeps dying, then ever more slowly",
                               ("tests/test_restarts.py::test_an_agent_that_keeps_dying_is_started_again_ever_more_slowly",
                                "tests/test_restarts.py::test_an_agent_killed_while_its_task_runs_is_started_again_and_"
@@ -426,6 +432,10 @@ MUTANTS: tuple[Mutant, ...] = (
       "return out or [(key, report)]", "out.append((key, report))\n                continue"),
     M("unwatched-exits-are-not-polled", "the reaper wakes when due", "services/inventory/agent.py",
       "wait = min(wait, REAP_POLL_S)\n                continue", "continue"),
+    M("a-refused-request-answered-503", "the gateway waits out a restart", "services/stack.py",
+      "if time.monotonic() >= deadline or not may_send_again(request.method, e):", "if True:"),
+    M("a-cut-off-post-sent-again", "the gateway waits out a restart", "services/stack.py",
+      "and method in IDEMPOTENT", ""),
     M("dead-agents-left-dead", "agents supervised", "services/stack.py",
       "if self.stopping or node_id not in wanted or child.alive():", "if True:"),
     M("a-crash-loop-restarted-at-once", "agents supervised", "services/stack.py",

@@ -239,7 +239,25 @@ def restart_delay(last_s: float, lived_s: float) -> float:
     """How long `up` waits to start a dead agent again: not at all if it lived a minute since `up` last started
     it (or `up` never did), else twice the last wait, from 0.5 s up to 30 s."""
     return 0.0 if lived_s >= AGENT_STABLE_S else min(AGENT_BACKOFF_MAX_S, max(AGENT_POLL_S, 2 * last_s))
+
+
 METRICS_TIMEOUT_S = 2.0  # the most the gateway's /metrics waits for one service's
+# a service that refuses connections is being started again (its supervisor polls every 0.5 s, a start takes
+# seconds): the gateway tries again this long before it answers 503
+CONNECT_RETRY_S = 15.0
+CONNECT_RETRY_EVERY_S = 0.1
+IDEMPOTENT = ("GET", "HEAD", "PUT", "DELETE")  # RFC 9110 9.2.2: sent twice, the same as once
+
+
+def may_send_again(method: str, error: Exception) -> bool:
+    """Whether the gateway may send a request again after this failure to reach its service. Refused: nothing
+    was sent, so any request. Cut off (a kept-alive connection to a service that died; the failed connection
+    leaves the pool): a POST may have been acted on, so only an idempotent method. Timed out: never."""
+    import httpx
+
+    if isinstance(error, httpx.ConnectError):
+        return True
+    return isinstance(error, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)) and method in IDEMPOTENT
 
 
 async def settle(evlog: EventLog, durables: list[tuple[str, str]], timeout: float) -> bool:
@@ -500,14 +518,23 @@ async def serve_gateway(
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
         if traceparent := current_traceparent():  # traced: the service's span is a child of this request's
             headers["traceparent"] = traceparent
-        try:
-            # every value of a repeated parameter (?state=queued&state=running), not only the last
-            resp = await client.request(request.method, url, params=request.query_params.multi_items(),
-                                        content=await request.body(), headers=headers)
-        except httpx.HTTPError as e:
-            return Response(json.dumps({"detail": f"service {name} unavailable: {e!r}"}), 503, media_type="application/json")
+        body, deadline = await request.body(), time.monotonic() + CONNECT_RETRY_S
+        while True:
+            try:
+                # every value of a repeated parameter (?state=queued&state=running), not only the last
+                resp = await client.request(request.method, url, params=request.query_params.multi_items(),
+                                            content=body, headers=headers)
+                break
+            except httpx.HTTPError as e:
+                if time.monotonic() >= deadline or not may_send_again(request.method, e):
+                    return unavailable(name, e)
+                await asyncio.sleep(CONNECT_RETRY_EVERY_S)  # the service is being started again (_supervise)
         return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"),
                         headers={k: v for k, v in resp.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS})
+
+    def unavailable(name: str, e: Exception) -> Response:
+        log.warning("event=forward_failed service=%s error=%r cause=%r", name, e, e.__cause__)
+        return Response(json.dumps({"detail": f"service {name} unavailable: {e!r}"}), 503, media_type="application/json")
 
     server = http_server(app, settings.host, settings.port)
     log.info("event=gateway_up api=http://%s:%d services=%s", settings.host, settings.port, upstreams)

@@ -16,6 +16,7 @@ import pytest
 
 from bench.workload import workload
 from services.cli import verify_log
+from services.stack import may_send_again
 from shared.eventlog import EventLog
 from shared.natsauth import Credentials
 from shared.natsd import free_port
@@ -28,6 +29,14 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] not in "ZX"
+    except (OSError, IndexError):
+        return False
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -224,6 +233,37 @@ def test_the_split_gateway_forwards_each_path_to_its_service(tmp_path: Path, sta
     assert stack.api.post(f"/v1/nodes/t4-4x-0/cordon", json={"reason": "test"}).status_code == 200
     wait_until(lambda: stack.api.get(f"/v1/nodes/t4-4x-0").json()["state"] == "cordoned", 15, "the cordon")
     assert stack.api.get(f"/v1/queues").status_code == 200 and stack.api.get(f"/v1/pools").status_code == 200
+    assert stack.stop() == 0
+
+
+def test_the_gateway_sends_again_only_what_cannot_have_been_acted_on():
+    refused, cut, late = httpx.ConnectError("refused"), httpx.ReadError(""), httpx.ReadTimeout("slow")
+    assert all(may_send_again(m, refused) for m in ("GET", "POST", "PUT", "DELETE", "PATCH")), "nothing was sent"
+    assert may_send_again("GET", cut) and may_send_again("PUT", httpx.RemoteProtocolError("gone"))
+    assert may_send_again("DELETE", httpx.WriteError(""))
+    assert not may_send_again("POST", cut) and not may_send_again("PATCH", cut), "it may have been acted on"
+    assert not may_send_again("GET", late), "a slow service is not a dead one"
+
+
+def test_a_request_for_a_split_service_that_is_being_restarted_waits_for_it(tmp_path: Path, stacks: list[Stack]):
+    """The gateway sends a request again while a dead service is started again: any request its port refused
+    (nothing was sent), an idempotent one also when a kept-alive connection to the dead service cut it off. A
+    submission during a restart is accepted, not answered 503."""
+    stack = Stack(tmp_path / "d", split=True)
+    stacks.append(stack)
+    stack.start()
+    victim = stack.info("split.json")["scheduler"]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: not running(victim), 10, "the scheduler to be dead")  # its sockets closed, not yet restarted
+    r = stack.api.get("/v1/jobs")
+    assert r.status_code == 200, r.text
+    assert stack.info("split.json")["scheduler"]["pid"] != victim, "answered by the new scheduler"
+    os.kill(victim := stack.info("split.json")["scheduler"]["pid"], signal.SIGKILL)
+    wait_until(lambda: not running(victim), 10, "the new scheduler to be dead")
+    wait_until(lambda: stack.info("split.json")["scheduler"]["pid"] != victim, 10, "a third to be started")
+    r = stack.api.post("/v1/jobs", json={"name": "during", "resources": {"gpus": 0}, "command": ["true"]})
+    assert r.status_code == 201, r.text
+    assert stack.api.get(f"/v1/jobs/{r.json()['id']}").json()["name"] == "during"
     assert stack.stop() == 0
 
 

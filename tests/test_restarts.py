@@ -148,6 +148,15 @@ def leftovers() -> Iterator[list[Path]]:
         kill_leftovers(d)
 
 
+def one_node_running_a_job(data: Path, split: bool, seconds: int) -> tuple[Stack, str]:
+    """A stack of one t4-4x node, and the id of its job of `sleep SECONDS`, running."""
+    stack = Stack(data, split=split, nodes="t4-4x:1").start(timeout=60)
+    wait_until(lambda: nodes_registered(stack, 1), 60, "the node to register")
+    job_id = submit(stack, "through", ["sleep", str(seconds)])
+    wait_until(lambda: job_state(stack, job_id) == "running", 60, "the job to run")
+    return stack, job_id
+
+
 def sigkill(stack: Stack) -> dict:
     """SIGKILL `gpuorch up` and its process group, as a crash or the OOM killer would; returns its stack.json."""
     assert stack.proc is not None
@@ -313,10 +322,7 @@ def test_an_agent_killed_while_its_task_runs_is_started_again_and_the_job_succee
     again before its heartbeat times out, adopts the task that ran on, and reports its exit once."""
     data = tmp_path / "d"
     leftovers.append(data)
-    stack = Stack(data, split=split, nodes="t4-4x:1").start()
-    wait_until(lambda: nodes_registered(stack, 1), 60, "the node to register")
-    job_id = submit(stack, "through", ["sleep", "4"])
-    wait_until(lambda: job_state(stack, job_id) == "running", 60, "the job to run")
+    stack, job_id = one_node_running_a_job(data, split, 4)
     dead = agents_by_node(stack.info())["t4-4x-0"]
     os.kill(dead, signal.SIGKILL)
     wait_until(lambda: agents_by_node(stack.info()).get("t4-4x-0", dead) != dead, 30, "the agent to be started again")
@@ -334,10 +340,7 @@ def test_the_services_of_a_killed_split_stack_are_replaced_and_its_running_job_s
                                                                                       leftovers: list[Path]):
     data = tmp_path / "d"
     leftovers.append(data)
-    first = Stack(data, split=True, nodes="t4-4x:1").start()
-    wait_until(lambda: nodes_registered(first, 1), 60, "the node to register")
-    job_id = submit(first, "through", ["sleep", "5"])
-    wait_until(lambda: job_state(first, job_id) == "running", 60, "the job to run")
+    first, job_id = one_node_running_a_job(data, True, 5)
     services = [s["pid"] for s in first.info("split.json").values()]
     before = sigkill(first)
     assert all(runs(pid) for pid in services), "they have their own sessions"

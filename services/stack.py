@@ -209,8 +209,8 @@ class Run:
                     continue
                 del due[node_id]
                 profile, index = wanted[node_id]
-                self.agents[node_id] = await asyncio.to_thread(spawn_agent, self.settings, self.nats_url, profile,
-                                                               node_id, index, self.creds)
+                # not in a thread: a cancellation while it spawned would leave an agent that no one stops
+                self.agents[node_id] = spawn_agent(self.settings, self.nats_url, profile, node_id, index, self.creds)
                 restarted[node_id] = time.monotonic()
                 self.record_agents()
                 log.info("event=agent_restarted node=%s pid=%d", node_id, self.agents[node_id].pid)

@@ -144,7 +144,8 @@ RULES: dict[str, Rule] = {
                                        "smallest queued share; a waiting job's view is made again when it changes",
                                        ("tests/scheduler/test_decide.py", SE)),
     "reports in task order": Rule("the outbox pipelines reports, but a task's exit goes only once its start is "
-                                  "acknowledged, and a registration goes alone", ("tests/inventory/test_outbox.py",)),
+                                  "acknowledged, and a registration goes alone; nothing goes while the bus is away",
+                                  ("tests/inventory/test_outbox.py",)),
     "the gateway waits out a restart": Rule("the split gateway sends a request again while its service restarts: "
                                             "any that was refused, an idempotent one that was cut off, no other",
                                             ("tests/test_stack.py::test_the_gateway_sends_again_only_what_cannot_"
@@ -436,6 +437,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "if time.monotonic() >= deadline or not may_send_again(request.method, e):", "if True:"),
     M("a-cut-off-post-sent-again", "the gateway waits out a restart", "services/stack.py",
       "and method in IDEMPOTENT", ""),
+    M("reports-sent-while-the-bus-is-away", "reports in task order", "services/inventory/outbox.py",
+      "if not evlog.nc.is_connected:", "if False:"),
     M("dead-agents-left-dead", "agents supervised", "services/stack.py",
       "if self.stopping or node_id not in wanted or child.alive():", "if True:"),
     M("a-crash-loop-restarted-at-once", "agents supervised", "services/stack.py",

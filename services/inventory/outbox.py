@@ -33,6 +33,7 @@ log = logging.getLogger("gpuorch.agent")
 SEND_TIMEOUT_S = 5.0
 RETRY_MAX_S = 2.0
 WINDOW = 32  # reports sent before their acknowledgements are awaited
+DISCONNECTED_POLL_S = 0.1  # how often a disconnected outbox looks whether the bus is back (a flag, no traffic)
 
 
 @dataclass
@@ -54,17 +55,29 @@ class Outbox:
         self.wake.set()
 
     async def deliver(self, evlog: EventLog) -> None:
-        """Forever: send what is pending, in order; after a failure, wait (up to RETRY_MAX_S) and go on."""
+        """Forever: send what is pending, in order; after a failure, wait (up to RETRY_MAX_S) and go on. While the
+        connection to the bus is away, nothing is sent: nats-py reconnects by itself, and a window of appends each
+        retrying every 0.1 s would only pile up publishes for the server's return."""
         backoff = 0.1
         while True:
             await wait_event(self.wake, 1.0)
             self.wake.clear()
             while self.pending:
-                if await self.send_batch(evlog):
+                if not evlog.nc.is_connected:
+                    self.waiting("disconnected")
+                    await asyncio.sleep(DISCONNECTED_POLL_S)
+                elif await self.send_batch(evlog):
                     backoff = 0.1
                 else:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, RETRY_MAX_S)
+
+    def waiting(self, why: object) -> None:
+        """The outage is logged once, when it starts."""
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            log.warning("event=reports_waiting node=%s pending=%d error=%r: retried until the bus acknowledges",
+                        self.node_id, len(self.pending), why)
 
     async def flush(self, evlog: EventLog, timeout: float) -> bool:
         """Send everything pending now (the agent is stopping); False if some is left at the deadline."""
@@ -108,10 +121,7 @@ class Outbox:
                 except OSError as e:  # the record is lost, not the report: a restart would send it again, same id
                     log.warning("event=report_record_failed node=%s id=%s error=%r", self.node_id, key, e)
         if failed is not None:
-            if self.down_since is None:
-                self.down_since = time.monotonic()
-                log.warning("event=reports_waiting node=%s pending=%d error=%r: retried until the bus acknowledges",
-                            self.node_id, len(self.pending), failed)
+            self.waiting(failed)
             return False
         if self.down_since is not None:
             log.info("event=reports_delivered node=%s waited_s=%.1f pending=%d", self.node_id,

@@ -3,13 +3,17 @@ start is acknowledged, a registration alone, after what was queued before it. Ag
 
 from __future__ import annotations
 
+import asyncio
+
 from shared import events as ev
 from shared.eventlog import AGENT_STREAM, EventLog
 from shared.events import Envelope
 from shared.model import NodeInfo
 from shared.natsauth import report_subject
+from shared.natsd import NatsServer
 from shared.profiles import build
 from services.inventory.outbox import WINDOW, Outbox, Report
+from tests.support import until
 
 NODE = "n1"
 
@@ -85,3 +89,42 @@ async def test_a_report_that_fails_stays_with_what_follows_it_for_its_task(event
     assert not await box.send_batch(eventlog, timeout=0.3)  # a's start fails again, a's exit waits, b's exit goes
     assert list(box.pending) == ["a-0-started", "a-0-exited"]
     assert await _stored(eventlog) == ["b-0-started", "b-0-exited"]
+
+
+async def test_nothing_is_sent_while_the_bus_is_away_and_everything_goes_in_order_once_it_is_back(
+        nats_server: NatsServer) -> None:
+    """A stopped nats-server: the outbox sends nothing (each append of a window would retry every 0.1 s, and the
+    publishes would pile up for the server's return), then sends all of it once the connection is back."""
+    log = await EventLog.connect(nats_server.url)
+    box = queue(*(started(f"j{i}") for i in range(5)))
+    tried: list[str] = []
+    append = log.append
+
+    async def counted(env: Envelope, **kw: object) -> int:  # our own client, counted; the bus is real
+        tried.append(env.id)
+        return await append(env, **kw)
+
+    log.append = counted  # type: ignore[method-assign]
+    deliver = None
+    try:
+        nats_server.stop()
+
+        async def away() -> bool:
+            return not log.nc.is_connected
+
+        await until(away, 10, "the client to see the server gone")
+        deliver = asyncio.create_task(box.deliver(log))
+        await asyncio.sleep(1.0)  # ten of its looks at the connection: what it does while the bus is away
+        assert tried == [] and len(box.pending) == 5, tried
+        nats_server.start()
+
+        async def drained() -> bool:
+            return not box.pending
+
+        await until(drained, 30, "the reports to be acknowledged")
+        assert await _stored(log) == [f"j{i}-0-started" for i in range(5)]
+        assert tried == [f"j{i}-0-started" for i in range(5)], "each sent once: no publishes piled up"
+    finally:
+        if deliver is not None:
+            deliver.cancel()
+        await log.close()

@@ -111,9 +111,10 @@ async def test_each_agent_reads_the_work_of_its_own_node_only(eventlog: EventLog
         await until(all_done, 30, "every job to succeed")
         on = {n: {d.name for d in (agent.work_dir / "jobs").iterdir()} for n, agent in (("n1", a), ("n2", b))}
         assert on["n1"] and on["n2"] and not on["n1"] & on["n2"] and on["n1"] | on["n2"] == set(ids), on
-        await until(lambda: _true(set(a.orders) == on["n1"] and set(b.orders) == on["n2"]), 10,
+        # a job's end reaches the API first: its word's end is written after, and read by its agent after that
+        await until(lambda: _true(set(a.orders) == on["n1"] and set(b.orders) == on["n2"] and
+                                  all(w.ended for w in [*a.orders.values(), *b.orders.values()])), 10,
                     "each agent to read its node's ended words")
-        assert all(w.ended for w in [*a.orders.values(), *b.orders.values()])
 
 
 async def _true(value: bool) -> bool:

@@ -440,7 +440,7 @@ MUTANTS: tuple[Mutant, ...] = (
     M("reports-sent-while-the-bus-is-away", "reports in task order", "services/inventory/outbox.py",
       "if not evlog.nc.is_connected:", "if False:"),
     M("dead-agents-left-dead", "agents supervised", "services/stack.py",
-      "if self.stopping or node_id not in wanted or child.alive():", "if True:"),
+      "if self.stopping or child.alive():", "if True:"),
     M("a-crash-loop-restarted-at-once", "agents supervised", "services/stack.py",
       "return 0.0 if lived_s >= AGENT_STABLE_S else", "return 0.0 if True else"),
 )

@@ -198,7 +198,7 @@ class Run:
             await asyncio.sleep(AGENT_POLL_S)
             now = time.monotonic()
             for node_id, child in list(self.agents.items()):
-                if self.stopping or node_id not in wanted or child.alive():
+                if self.stopping or child.alive():
                     continue
                 if node_id not in due:
                     backoff[node_id] = restart_delay(backoff.get(node_id, 0.0), now - restarted.get(node_id, -math.inf))

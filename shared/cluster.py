@@ -543,7 +543,7 @@ class ClusterProjection(Projection):
 
     def division(self, now: float, half_life_s: float, load: "QueueLoad | None" = None) -> Division:
         """The fair-share division at ``now`` (``load``: this projection's, read already)."""
-        alloc, pending = (load.alloc, load.pending) if load is not None else self.queue_load()
+        alloc, pending, _, _ = self.queue_loads() if load is None else load
         demand = {q: alloc.get(q, 0.0) + pending.get(q, 0.0) for q in set(alloc) | set(pending)}
         return divide(self.capacity_gpus(), self.queues, demand, self.decayed_usage(now, half_life_s))
 

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -235,17 +236,47 @@ def api(method: str, url: str, path: str, **kw: Any) -> Any:
     return api_response(method, url, path, **kw).json()
 
 
-def api_response(method: str, url: str, path: str, **kw: Any) -> Any:
-    """The API's answer as an httpx response (for its headers too), every failure a message as for ``api``."""
+SUBMIT_RETRY_S = 15.0  # how long a keyed submission is sent again while gpuorch restarts under it
+SUBMIT_RETRY_EVERY_S = 0.5
+
+
+def api_response(method: str, url: str, path: str, key: str | None = None, **kw: Any) -> Any:
+    """The API's answer as an httpx response (for its headers too), every failure a message as for ``api``.
+
+    ``key``: the request's Idempotency-Key (a submission). It is then sent again, for up to SUBMIT_RETRY_S, when
+    the connection broke after it was sent or the answer was 503 (gpuorch restarting under it): recorded once
+    however often it arrives. A refused first connection still fails at once (nothing is listening)."""
+    import time
+
     import httpx
 
     url = resolve_url(url)
     token = resolve_token(url)
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    try:
-        resp = httpx.request(method, url.rstrip("/") + path, timeout=30, headers=headers, **kw)
-    except httpx.HTTPError as e:
-        fail(f"cannot reach gpuorch at {url} ({type(e).__name__}): is `gpuorch up` running? (--url or GPUORCH_URL)")
+    if key is not None:
+        headers["idempotency-key"] = key
+    deadline, reached, told = time.monotonic() + SUBMIT_RETRY_S, False, False
+    while True:
+        try:
+            resp = httpx.request(method, url.rstrip("/") + path, timeout=30, headers=headers, **kw)
+            why = f"HTTP 503: {resp.text[:200]}" if resp.status_code == 503 else None
+        except httpx.HTTPError as e:
+            reached = reached or not isinstance(e, httpx.ConnectError)  # sent, maybe acted on
+            if key is None or not reached or time.monotonic() >= deadline:
+                if key is not None and reached:
+                    fail(f"no answer from gpuorch at {url} ({type(e).__name__}): the submission may have been "
+                         f"recorded: send it again with --idempotency-key {key} (recorded once)")
+                fail(f"cannot reach gpuorch at {url} ({type(e).__name__}): is `gpuorch up` running? (--url or "
+                     "GPUORCH_URL)")
+            why = type(e).__name__
+        reached = True
+        if why is None or key is None or time.monotonic() >= deadline:
+            break
+        if not told:
+            err.print(f"[dim]note:[/dim] no answer from gpuorch ({why}): sending the same submission again "
+                      f"(Idempotency-Key {key})")
+            told = True
+        time.sleep(SUBMIT_RETRY_EVERY_S)
     if resp.status_code == 401 and not token:
         fail(f"{url} wants a token: set GPUORCH_TOKEN (or --token, GPUORCH_TOKEN_FILE, ~/.config/gpuorch/token); "
              "an admin issues one with `gpuorch tokens create`")
@@ -307,6 +338,9 @@ def submit(
     jobfile_map: Annotated[Path | None, typer.Option("--map", envvar="GPUORCH_JOBFILE_MAP", show_envvar=True,
                                                      help="YAML: what this site's Slurm partitions and QOS, and "
                                                           "Kubernetes priority classes, mean here")] = None,
+    idempotency_key: Annotated[str | None, typer.Option(
+        "--idempotency-key", help="name this submission (default: a new random key): sent again with the same key, "
+                                  "as a script's retry, it is recorded once")] = None,
     url: UrlOpt = DEFAULT_URL,
     as_json: JsonOpt = False,
 ) -> None:
@@ -350,8 +384,9 @@ def submit(
             err.print(f"[yellow]warning:[/yellow] {label}{w}")
     # the jobs of one file go in one request, a batch: every one is accepted, or none is (jobs[i] says which not)
     params = {"dry_run": "true"} if dry_run else None
-    answered = api("POST", url, "/v1/jobs", json=bodies, params=params) if len(bodies) > 1 else \
-        [api("POST", url, "/v1/jobs", json=bodies[0], params=params)]
+    key = idempotency_key or uuid.uuid4().hex
+    answered = api("POST", url, "/v1/jobs", json=bodies, params=params, key=key) if len(bodies) > 1 else \
+        [api("POST", url, "/v1/jobs", json=bodies[0], params=params, key=key)]
     answers = []
     for t, job in zip(translated, answered):
         label = f"{t.origin}: " if len(translated) > 1 else ""

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +66,9 @@ ROUTES: list[tuple[str, str]] = [
     ("/v1/nodes", "inventory"),
 ]
 NODE_ACTIONS = ("/cordon", "/drain", "/resume")
-FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "traceparent", "authorization")
-FORWARDED_RESPONSE_HEADERS = ("www-authenticate", "retry-after", "x-next-cursor", "link")  # the last two: job pages
+FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "traceparent", "authorization", "idempotency-key")
+FORWARDED_RESPONSE_HEADERS = ("www-authenticate", "retry-after", "x-next-cursor", "link",  # the last two: job pages
+                              "idempotent-replayed")
 
 
 def owner(path: str) -> str | None:
@@ -249,15 +251,27 @@ CONNECT_RETRY_EVERY_S = 0.1
 IDEMPOTENT = ("GET", "HEAD", "PUT", "DELETE")  # RFC 9110 9.2.2: sent twice, the same as once
 
 
-def may_send_again(method: str, error: Exception) -> bool:
+def may_send_again(method: str, error: Exception, keyed: bool = False) -> bool:
     """Whether the gateway may send a request again after this failure to reach its service. Refused: nothing
     was sent, so any request. Cut off (a kept-alive connection to a service that died; the failed connection
-    leaves the pool): a POST may have been acted on, so only an idempotent method. Timed out: never."""
+    leaves the pool): a POST may have been acted on, so only an idempotent method, or a submission with its
+    Idempotency-Key (``keyed``: recorded once however often it is sent). Timed out: never."""
     import httpx
 
     if isinstance(error, httpx.ConnectError):
         return True
-    return isinstance(error, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)) and method in IDEMPOTENT
+    cut_off = isinstance(error, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError))
+    return cut_off and (method in IDEMPOTENT or keyed)
+
+
+def with_submission_key(method: str, path: str, headers: dict[str, str]) -> bool:
+    """Give a submission (POST /v1/jobs) that has no Idempotency-Key one of its own, so that the gateway may send
+    it again if its service dies under it; whether it now has one. Only the job API honours the key (a dry run
+    ignores it: it records nothing): no other POST is ever sent again."""
+    if method != "POST" or path.rstrip("/") != "/v1/jobs":
+        return False
+    headers.setdefault("idempotency-key", f"gateway-{uuid.uuid4().hex}")
+    return True
 
 
 async def settle(evlog: EventLog, durables: list[tuple[str, str]], timeout: float) -> bool:
@@ -518,6 +532,7 @@ async def serve_gateway(
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
         if traceparent := current_traceparent():  # traced: the service's span is a child of this request's
             headers["traceparent"] = traceparent
+        keyed = with_submission_key(request.method, request.url.path, headers)
         body, deadline = await request.body(), time.monotonic() + CONNECT_RETRY_S
         while True:
             try:
@@ -526,7 +541,7 @@ async def serve_gateway(
                                             content=body, headers=headers)
                 break
             except httpx.HTTPError as e:
-                if time.monotonic() >= deadline or not may_send_again(request.method, e):
+                if time.monotonic() >= deadline or not may_send_again(request.method, e, keyed):
                     return unavailable(name, e)
                 await asyncio.sleep(CONNECT_RETRY_EVERY_S)  # the service is being started again (_supervise)
         return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"),

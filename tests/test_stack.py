@@ -16,7 +16,7 @@ import pytest
 
 from bench.workload import workload
 from services.cli import verify_log
-from services.stack import may_send_again
+from services.stack import may_send_again, with_submission_key
 from shared.eventlog import EventLog
 from shared.natsauth import Credentials
 from shared.natsd import free_port
@@ -243,6 +243,21 @@ def test_the_gateway_sends_again_only_what_cannot_have_been_acted_on():
     assert may_send_again("DELETE", httpx.WriteError(""))
     assert not may_send_again("POST", cut) and not may_send_again("PATCH", cut), "it may have been acted on"
     assert not may_send_again("GET", late), "a slow service is not a dead one"
+    assert may_send_again("POST", cut, keyed=True), "a submission with its Idempotency-Key is recorded once"
+    assert not may_send_again("POST", late, keyed=True)
+
+
+def test_the_gateway_gives_each_submission_a_key_and_keeps_the_clients():
+    headers: dict[str, str] = {}
+    assert with_submission_key("POST", "/v1/jobs", headers) and headers["idempotency-key"].startswith("gateway-")
+    other: dict[str, str] = {}
+    assert with_submission_key("POST", "/v1/jobs", other) and other["idempotency-key"] != headers["idempotency-key"]
+    mine = {"idempotency-key": "mine"}
+    assert with_submission_key("POST", "/v1/jobs/", mine) and mine == {"idempotency-key": "mine"}
+    for method, path in (("POST", "/v1/queues"), ("GET", "/v1/jobs"), ("DELETE", "/v1/jobs/j-1"),
+                         ("POST", "/v1/tokens")):
+        untouched: dict[str, str] = {}
+        assert not with_submission_key(method, path, untouched) and untouched == {}, (method, path)
 
 
 def test_a_request_for_a_split_service_that_is_being_restarted_waits_for_it(tmp_path: Path, stacks: list[Stack]):
@@ -261,9 +276,13 @@ def test_a_request_for_a_split_service_that_is_being_restarted_waits_for_it(tmp_
     os.kill(victim := stack.info("split.json")["scheduler"]["pid"], signal.SIGKILL)
     wait_until(lambda: not running(victim), 10, "the new scheduler to be dead")
     wait_until(lambda: stack.info("split.json")["scheduler"]["pid"] != victim, 10, "a third to be started")
-    r = stack.api.post("/v1/jobs", json={"name": "during", "resources": {"gpus": 0}, "command": ["true"]})
+    during = {"name": "during", "resources": {"gpus": 0}, "command": ["true"]}
+    r = stack.api.post("/v1/jobs", json=during, headers={"Idempotency-Key": "during-1"})
     assert r.status_code == 201, r.text
     assert stack.api.get(f"/v1/jobs/{r.json()['id']}").json()["name"] == "during"
+    again = stack.api.post("/v1/jobs", json=during, headers={"Idempotency-Key": "during-1"})
+    assert again.json()["id"] == r.json()["id"] and again.headers.get("idempotent-replayed") == "true", \
+        "the gateway passes the key on, and the answer's header back"
     assert stack.stop() == 0
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from pydantic import Discriminator, Field, StrictBool, Tag, field_validator
@@ -112,6 +113,18 @@ class JobRequest(JobSpec):
 
 
 MAX_BATCH = 1_000  # job requests in one POST /v1/jobs body (a JSON list): checked one by one, appended at once
+IDEMPOTENCY_KEY = r"^[A-Za-z0-9._:+/=-]{1,255}$"  # a UUID, a ULID, base64, a client's own words without spaces
+KEY_HELP = ("the client's name for this submission: the same request sent again with the same key (a retry after "
+            "a cut-off connection) answers the jobs the first one recorded, and records nothing twice")
+
+
+def keyed_id(user: str, key: str, index: int, array: bool) -> str:
+    """The id of the index-th job request (a job, or an array) of a submission that ``user`` made with this
+    Idempotency-Key. The request sent again makes the same ids, so its events, whose message ids are the job's, are
+    stored once (JetStream's duplicate window), and once folded it is answered from what was recorded. A job and an
+    array never share an id."""
+    kind = "array" if array else "job"
+    return "j-" + hashlib.blake2b(f"{user}\0{key}\0{index}\0{kind}".encode(), digest_size=11).hexdigest()
 
 
 def _shape(body: Any) -> str:
@@ -255,8 +268,9 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         return sum(1 if req.array is None else len(req.array.indices) for req in batch)
 
     @r.post("/v1/jobs", status_code=201, responses={**errors(429), 200: {"description": DRY_RUN}})
-    async def submit(body: Annotated[Submission, Body()], p: Caller, request: Request,
-                     dry_run: Annotated[bool, Query(description=DRY_RUN)] = False
+    async def submit(body: Annotated[Submission, Body()], p: Caller, request: Request, response: Response,
+                     dry_run: Annotated[bool, Query(description=DRY_RUN)] = False,
+                     idempotency_key: Annotated[str | None, Header(pattern=IDEMPOTENCY_KEY, description=KEY_HELP)] = None,
                      ) -> dict[str, Any] | list[dict[str, Any]]:
         """Accept a job (all tasks start together or none does); 422 with the reason if it never could run.
 
@@ -266,13 +280,22 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         jobs) is a batch of at most MAX_BATCH: each job is checked as if alone, the first refused one refuses the
         whole batch (``jobs[i]: why``) and nothing is appended; else all are appended at once and the answer lists
         them in order. Traced, a job's trace is the request's (FastAPI's span, which continues the caller's
-        ``traceparent``); a batch's jobs each get a trace of their own, linked to the request's."""
+        ``traceparent``); a batch's jobs each get a trace of their own, linked to the request's.
+
+        With an ``Idempotency-Key``, the same request sent again is answered (201, ``Idempotent-Replayed: true``)
+        with the jobs the first one recorded, as they are now, and nothing is recorded twice; the key used before
+        for another request is refused (422)."""
         one = not isinstance(body, list)
         batch: list[JobRequest] = [body] if one else body  # type: ignore[list-item]
         said = getattr(request.state, "jobfile_warnings", None) or [[] for _ in batch]
         if (jobs := job_count(batch)) > MAX_ARRAY:
             raise HTTPException(422, f"the batch makes {jobs} jobs (array elements count): at most {MAX_ARRAY} "
                                      "in one request")
+        key = idempotency_key if not dry_run else None
+        bases = [keyed_id(p.user, key, i, req.array is not None) for i, req in enumerate(batch)] if key else None
+        if key and bases and (replay := recorded_before(batch, bases, said, p, key)) is not None:
+            response.headers["Idempotent-Replayed"] = "true"
+            return replay[0] if one else replay
         tokens = min(jobs, scheduler.settings.submit_burst)  # one per job, up to a burst: never refused for its size
         if p.role != "admin" and (wait := limiter.take(p.user, time.monotonic(), tokens)):
             raise HTTPException(429, f"{p.user} submits faster than {scheduler.settings.submit_rate_per_s:g} jobs/s",
@@ -294,15 +317,73 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         for req, (spec, more, _), w in zip(batch, checked, said):
             apart = with_secrets_apart(spec)
             accepted.append((req, apart, [*w, *more, *secrets_warning(spec, apart)]))
-        answers = await record(accepted, p)
+        answers = await record(accepted, p, bases)
+        if key and bases:
+            for (req, spec, _), base in zip(accepted, bases):  # stored once already, within the duplicate window
+                mismatch(req, spec, base, key)
         return answers[0] if one else answers
 
-    async def record(accepted: list[tuple[JobRequest, JobSpec, list[str]]], p: Principal) -> list[dict[str, Any]]:
+    def ids_of(req: JobRequest, base: str) -> list[str]:
+        return [base] if req.array is None else [f"{base}-{i}" for i in req.array.indices]
+
+    def recorded_before(batch: list[JobRequest], bases: list[str], said: list[list[str]], p: Principal,
+                        key: str) -> list[dict[str, Any]] | None:
+        """The answer to a submission whose jobs this key recorded already (each request's first job is known: in
+        memory, or ended long ago and in the SQL read model), else None. 422 if the key recorded another request."""
+        answers = []
+        for req, base, warnings in zip(batch, bases, said):
+            first = ids_of(req, base)[0]
+            if (job := proj.jobs.get(first)) is not None:
+                spec = with_secrets_apart(JobSpec.model_validate(req.model_dump(exclude={"array"})))
+                mismatch(req, spec, base, key)
+                answers.append(answer(req, job.spec, warnings, base, p.user))
+            elif (row := scheduler.history.get(first)) is not None:
+                if row.name != req.name or row.queue != req.queue:
+                    raise HTTPException(422, reused(key, first))
+                answers.append(answer(req, None, warnings, base, p.user, row))
+            else:
+                return None
+        return answers
+
+    def reused(key: str, job_id: str) -> str:
+        return (f"Idempotency-Key {key!r} was used for another request (job {job_id}): send a new submission with "
+                "a new key")
+
+    def mismatch(req: JobRequest, spec: JobSpec, base: str, key: str) -> None:
+        """422 unless the jobs recorded under this key are the ones this request makes (resolved dependencies aside:
+        they are resolved again at each try): the same spec, and for an array every element, at most as many at
+        once."""
+        ids = ids_of(req, base)
+        if (job := proj.jobs.get(ids[0])) is None:
+            return
+        skip = {"dependencies", "array"}
+        if job.spec.model_dump(exclude=skip) != spec.model_dump(exclude=skip) or (req.array is not None and (
+                any(i not in proj.jobs for i in ids)
+                or job.spec.array is None or job.spec.array.max_running != req.array.max_running)):
+            raise HTTPException(422, reused(key, job.job_id))
+
+    def answer(req: JobRequest, spec: JobSpec | None, warnings: list[str], base: str, owner: str, row: Any = None
+               ) -> dict[str, Any]:
+        """What POST answers for one job request: the job as it is now, or the array and its elements' ids."""
+        if req.array is not None:
+            named = spec or req
+            return {"id": base, "array": base, "name": named.name, "queue": named.queue, "state": "queued",
+                    "count": len(req.array.indices), "max_running": req.array.max_running,
+                    "jobs": [f"{base}-{i}" for i in req.array.indices], "warnings": warnings}
+        if row is not None:
+            return {**redact({**row.model_dump(), "id": row.job_id, "placement": [], "archived": True}),
+                    "warnings": warnings}
+        assert spec is not None
+        return {**view(proj.jobs.get(base) or JobRecord(base, spec, state="queued", owner=owner)), "warnings": warnings}
+
+    async def record(accepted: list[tuple[JobRequest, JobSpec, list[str]]], p: Principal,
+                     bases: list[str] | None = None) -> list[dict[str, Any]]:
         """Append every job's ``job.submitted`` and ``job.queued`` (each array element a job of its own, id
-        ``<array id>-<index>``) in one batch, wait once for the fold to reach the last, and answer each request."""
+        ``<array id>-<index>``) in one batch, wait once for the fold to reach the last, and answer each request.
+        ``bases``: the requests' ids (an Idempotency-Key's), else new ones."""
         source, envs, made = "/gpuorch/scheduler", [], []
-        for req, spec, _ in accepted:
-            base = new_id("j-")
+        for n, (req, spec, _) in enumerate(accepted):
+            base = new_id("j-") if bases is None else bases[n]
             jobs = [(base, spec)] if req.array is None else [
                 (f"{base}-{i}", spec.model_copy(update={"array": ArrayElement(
                     id=base, index=i, max_running=req.array.max_running)})) for i in req.array.indices]
@@ -321,16 +402,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             f"the batch's {len(made)} jobs ({made[0][0]} to {made[-1][0]}) are"
         await svc.caught_up(seqs[-1], advice=f"{what} recorded: read it with GET /v1/jobs/{made[0][0]} rather than "
                                              "submitting it again")
-        out = []
-        for (req, spec, warnings), (base, ids) in zip(accepted, made):
-            if req.array is None:
-                out.append({**view(proj.jobs.get(base) or JobRecord(base, spec, state="queued", owner=p.user)),
-                            "warnings": warnings})
-            else:
-                out.append({"id": base, "array": base, "name": spec.name, "queue": spec.queue, "state": "queued",
-                            "count": len(ids), "max_running": req.array.max_running, "jobs": ids,
-                            "warnings": warnings})
-        return out
+        return [answer(req, spec, warnings, base, p.user) for (req, spec, warnings), (base, _) in zip(accepted, made)]
 
     @r.get("/v1/jobs")
     async def list_jobs(

@@ -22,7 +22,9 @@ def through(client, loop: asyncio.AbstractEventLoop):
 
 def through_response(client, loop: asyncio.AbstractEventLoop):
     """cli.api_response (which cli.api calls), answered as ``through`` answers: for commands that read headers."""
-    def api_response(method: str, url: str, path: str, **kw):
+    def api_response(method: str, url: str, path: str, key: str | None = None, **kw):
+        if key is not None:  # a submission's Idempotency-Key, as cli.api_response sends it
+            kw["headers"] = {**kw.get("headers", {}), "idempotency-key": key}
         resp = asyncio.run_coroutine_threadsafe(client.request(method, path, **kw), loop).result(30)
         if resp.status_code >= 400:
             cli.fail(f"{resp.json().get('detail')} (HTTP {resp.status_code})")

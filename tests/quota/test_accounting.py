@@ -204,8 +204,8 @@ def served(monkeypatch):
     app.include_router(router(Svc(), 7 * 86400))
     client = TestClient(app)
 
-    def api(method: str, url: str, path: str, **kw):
-        resp = client.request(method, path, **kw)
+    def api(method: str, url: str, path: str, key: str | None = None, **kw):
+        resp = client.request(method, path, **kw, headers={"idempotency-key": key} if key else None)
         if resp.status_code >= 400:
             cli.fail(f"{resp.json()['detail']} (HTTP {resp.status_code})")
         return resp.json()

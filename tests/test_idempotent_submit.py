@@ -1,0 +1,167 @@
+"""POST /v1/jobs with an Idempotency-Key: the same submission sent again (a retry after a cut-off connection, a
+gateway sending again what a dying service may have acted on) records its jobs once and is answered with them; the
+key of another request is refused; a key is its user's."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import socket
+import threading
+
+import pytest
+from typer.testing import CliRunner
+
+from services import cli
+from shared.eventlog import EventLog
+from tests.support import as_user, in_process_stack
+from tests.test_batch_submit import counting_appends, job, submitted_seqs, with_a_node
+
+
+def keyed(key: str) -> dict[str, str]:
+    return {"Idempotency-Key": key}
+
+
+async def submitted(eventlog: EventLog, after: int) -> list[str]:
+    return [i for _, t, i in await submitted_seqs(eventlog, after) if t == "job.submitted"]
+
+
+async def test_a_submission_sent_again_with_its_key_is_answered_with_the_jobs_it_recorded_once(eventlog):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        before = await with_a_node(eventlog)
+        body = [job("a"), {**job("b"), "array": {"indices": [0, 1, 2]}}]
+        first = await client.post("/v1/jobs", json=body, headers=keyed("retry-1"))
+        assert first.status_code == 201, first.text
+        again = await client.post("/v1/jobs", json=body, headers=keyed("retry-1"))
+        assert again.status_code == 201, again.text
+        assert again.headers.get("idempotent-replayed") == "true" and "idempotent-replayed" not in first.headers
+        assert [j["id"] for j in again.json()] == [j["id"] for j in first.json()]
+        assert again.json()[1]["jobs"] == first.json()[1]["jobs"]
+        a, array = first.json()
+        assert sorted(await submitted(eventlog, before)) == sorted([a["id"], *array["jobs"]]), "recorded twice"
+        other = await client.post("/v1/jobs", json=body, headers=keyed("retry-2"))
+        assert other.status_code == 201 and {j["id"] for j in other.json()}.isdisjoint(j["id"] for j in first.json())
+        plain = [await client.post("/v1/jobs", json=job("c")) for _ in range(2)]
+        assert plain[0].json()["id"] != plain[1].json()["id"], "without a key, each POST is a submission"
+
+
+async def test_retries_racing_the_first_before_it_is_folded_are_stored_once(eventlog, monkeypatch):
+    """Sent together, none finds the others' jobs yet: each appends, and the log keeps one copy of each event
+    (the message ids are the keyed job's)."""
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        before = await with_a_node(eventlog)
+        calls = counting_appends(eventlog, monkeypatch)
+        answers = await asyncio.gather(*(client.post("/v1/jobs", json=job("racer"), headers=keyed("race"))
+                                         for _ in range(5)))
+        assert [r.status_code for r in answers] == [201] * 5, [r.text for r in answers]
+        assert len({r.json()["id"] for r in answers}) == 1
+        assert len(calls) >= 2, "no retry raced the first: the log's deduplication was not reached"
+        assert await submitted(eventlog, before) == [answers[0].json()["id"]]
+
+
+async def test_a_key_used_for_another_request_is_refused_and_records_nothing(eventlog):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        before = await with_a_node(eventlog)
+        first = await client.post("/v1/jobs", json=job("train"), headers=keyed("k"))
+        array = await client.post("/v1/jobs", json={**job("sweep"), "array": {"indices": [0, 1]}}, headers=keyed("a"))
+        assert first.status_code == array.status_code == 201
+        for key, other, recorded in (
+                ("k", job("train", gpus=2), first.json()["id"]),
+                ("k", job("eval"), first.json()["id"]),
+                ("a", {**job("sweep"), "array": {"indices": [0, 1, 2]}}, array.json()["jobs"][0]),
+                ("a", {**job("sweep"), "array": {"indices": [0, 1], "max_running": 1}}, array.json()["jobs"][0])):
+            r = await client.post("/v1/jobs", json=other, headers=keyed(key))
+            assert r.status_code == 422, r.text
+            assert f"Idempotency-Key {key!r} was used for another request (job {recorded})" in r.json()["detail"]
+        assert sorted(await submitted(eventlog, before)) == sorted([first.json()["id"], *array.json()["jobs"]])
+        # a job and an array never share an id: under a job's key, an array is a submission of its own
+        apart = await client.post("/v1/jobs", json={**job("train"), "array": {"indices": [0]}}, headers=keyed("k"))
+        assert apart.status_code == 201 and apart.json()["id"] != first.json()["id"]
+
+
+async def test_a_key_is_its_users_own(eventlog):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        await with_a_node(eventlog)
+        async with await as_user(client, "alice") as alice, await as_user(client, "bob") as bob:
+            a = await alice.post("/v1/jobs", json=job("x"), headers=keyed("same"))
+            b = await bob.post("/v1/jobs", json=job("x"), headers=keyed("same"))
+            assert a.status_code == b.status_code == 201, (a.text, b.text)
+            assert a.json()["id"] != b.json()["id"] and "idempotent-replayed" not in b.headers
+            assert b.json()["owner"] == "bob"
+
+
+async def test_a_malformed_key_is_refused_with_the_reason(eventlog):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        for bad in ("two words", "x" * 256, "semi;colon"):
+            r = await client.post("/v1/jobs", json=job("x"), headers=keyed(bad))
+            assert r.status_code == 422, r.text
+            assert "idempotency-key" in r.text.lower()
+
+
+class Flaky(http.server.BaseHTTPRequestHandler):
+    """A front door that cuts the first submission off once read, answers the second 503 (restarting), and records
+    the third: what `gpuorch submit` meets while gpuorch restarts under it."""
+
+    keys: list[str | None] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["content-length"]))
+        self.keys.append(self.headers.get("idempotency-key"))
+        if len(self.keys) == 1:
+            self.connection.shutdown(socket.SHUT_RDWR)  # read, maybe acted on, never answered
+            self.close_connection = True
+            return
+        status, body = (503, {"detail": "restarting"}) if len(self.keys) == 2 else \
+            (201, {"id": "j-1", "name": "x", "queue": "default", "state": "queued", "warnings": []})
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture
+def flaky():
+    Flaky.keys = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def test_the_cli_sends_a_cut_off_submission_again_with_the_same_key(flaky, monkeypatch):
+    monkeypatch.setattr(cli, "SUBMIT_RETRY_EVERY_S", 0.01)
+    monkeypatch.setenv("GPUORCH_TOKEN", "t")
+    res = CliRunner().invoke(cli.app, ["submit", "--url", flaky, "--", "true"])
+    out = " ".join(res.output.split())  # rich wraps its lines
+    assert res.exit_code == 0, out
+    assert "submitted j-1" in out and "sending the same submission again" in out
+    assert len(Flaky.keys) == 3 and Flaky.keys[0] and len(set(Flaky.keys)) == 1, Flaky.keys
+    Flaky.keys = []
+    res = CliRunner().invoke(cli.app, ["submit", "--url", flaky, "--idempotency-key", "nightly-7", "--", "true"])
+    assert res.exit_code == 0 and Flaky.keys == ["nightly-7"] * 3, (res.output, Flaky.keys)
+
+
+def test_the_cli_gives_up_on_a_cut_off_submission_with_its_key_to_send_again(flaky, monkeypatch):
+    monkeypatch.setattr(cli, "SUBMIT_RETRY_S", 0.0)
+    monkeypatch.setenv("GPUORCH_TOKEN", "t")
+    res = CliRunner().invoke(cli.app, ["submit", "--url", flaky, "--idempotency-key", "k1", "--", "true"])
+    assert res.exit_code == 1 and Flaky.keys == ["k1"], (res.output, Flaky.keys)
+    assert "may have been recorded: send it again with --idempotency-key k1" in " ".join(res.output.split())
+
+
+def test_the_cli_fails_at_once_when_nothing_listens(monkeypatch):
+    monkeypatch.setenv("GPUORCH_TOKEN", "t")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: refused
+        res = CliRunner().invoke(cli.app, ["submit", "--url", url, "--", "true"])
+    assert res.exit_code == 1 and "cannot reach gpuorch" in res.output and "may have been recorded" not in res.output

@@ -533,7 +533,7 @@ async def serve_gateway(
         if traceparent := current_traceparent():  # traced: the service's span is a child of this request's
             headers["traceparent"] = traceparent
         keyed = with_submission_key(request.method, request.url.path, headers)
-        body, deadline = await request.body(), time.monotonic() + CONNECT_RETRY_S
+        body, deadline, told = await request.body(), time.monotonic() + CONNECT_RETRY_S, False
         while True:
             try:
                 # every value of a repeated parameter (?state=queued&state=running), not only the last
@@ -543,6 +543,10 @@ async def serve_gateway(
             except httpx.HTTPError as e:
                 if time.monotonic() >= deadline or not may_send_again(request.method, e, keyed):
                     return unavailable(name, e)
+                if not told:
+                    log.info("event=forward_again service=%s method=%s path=%s error=%r keyed=%s", name,
+                             request.method, request.url.path, e, keyed)
+                    told = True
                 await asyncio.sleep(CONNECT_RETRY_EVERY_S)  # the service is being started again (_supervise)
         return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"),
                         headers={k: v for k, v in resp.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS})

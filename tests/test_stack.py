@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -245,6 +247,50 @@ def test_the_gateway_sends_again_only_what_cannot_have_been_acted_on():
     assert not may_send_again("GET", late), "a slow service is not a dead one"
     assert may_send_again("POST", cut, keyed=True), "a submission with its Idempotency-Key is recorded once"
     assert not may_send_again("POST", late, keyed=True)
+
+
+def listed_ids(stack: Stack, name: str) -> list[str]:
+    """Every job of this name, through the pages of GET /v1/jobs."""
+    ids, params = [], {"name": name, "limit": 500}
+    while True:
+        r = stack.api.get("/v1/jobs", params=params)
+        assert r.status_code == 200, r.text
+        ids += [j["id"] for j in r.json()]
+        if "x-next-cursor" not in r.headers:
+            return ids
+        params["cursor"] = r.headers["x-next-cursor"]
+
+
+def test_a_submission_cut_off_by_its_dying_service_is_sent_again_and_recorded_once(tmp_path: Path,
+                                                                                  stacks: list[Stack]):
+    """A batch POST that the scheduler had read, and maybe recorded in part, when it was SIGKILLed: the gateway
+    sends it again with the key it gave it, to the scheduler started again, and every job is recorded once (it
+    was answered 503 before). Kills land at several moments until one cuts a request off in flight."""
+    stack = Stack(tmp_path / "d", split=True)
+    stacks.append(stack)
+    stack.start()
+    out, batch = stack.data_dir / "up.out", 1000
+    for attempt, delay in enumerate((0.1, 0.2, 0.35, 0.05, 0.5, 0.15, 0.25, 0.3)):
+        name, victim = f"cut-{attempt}", stack.info("split.json")["scheduler"]["pid"]
+        seen = len(out.read_text().splitlines())
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            body = [{"name": name, "resources": {"gpus": 0}, "command": ["true"]}] * batch
+            answer = pool.submit(stack.api.post, "/v1/jobs", json=body, timeout=60)
+            time.sleep(delay)
+            os.kill(victim, signal.SIGKILL)
+            r = answer.result()
+        assert r.status_code == 201, r.text
+        ids = [j["id"] for j in r.json()]
+        assert len(set(ids)) == batch
+        assert sorted(listed_ids(stack, name)) == sorted(ids), "a job recorded twice, or not at all"
+        again = [line for line in out.read_text().splitlines()[seen:] if "event=forward_again" in line]
+        if any("method=POST" in line and ("ReadError" in line or "RemoteProtocolError" in line) for line in again):
+            break  # this one was cut off in flight, and sent again
+        wait_until(lambda: running(stack.info("split.json")["scheduler"]["pid"]) and stack.all_ready(), 30,
+                   "the scheduler to be started again")
+    else:
+        pytest.fail("no kill cut a submission off in flight")
+    assert stack.stop() == 0
 
 
 def test_the_gateway_gives_each_submission_a_key_and_keeps_the_clients():

@@ -147,11 +147,20 @@ RULES: dict[str, Rule] = {
                                   "acknowledged, and a registration goes alone; nothing goes while the bus is away",
                                   ("tests/inventory/test_outbox.py",)),
     "the gateway waits out a restart": Rule("the split gateway sends a request again while its service restarts: "
-                                            "any that was refused, an idempotent one that was cut off, no other",
+                                            "any that was refused, an idempotent or keyed one that was cut off, no "
+                                            "other",
                                             ("tests/test_stack.py::test_the_gateway_sends_again_only_what_cannot_"
                                              "have_been_acted_on",
                                              "tests/test_stack.py::test_a_request_for_a_split_service_that_is_being_"
-                                             "restarted_waits_for_it")),
+                                             "restarted_waits_for_it",
+                                             "tests/test_stack.py::test_a_submission_cut_off_by_its_dying_service_is_"
+                                             "sent_again_and_recorded_once",
+                                             "tests/test_stack.py::test_the_gateway_gives_each_submission_a_key_and_"
+                                             "keeps_the_clients")),
+    "submissions recorded once": Rule("a submission sent again with its Idempotency-Key records nothing twice and is "
+                                      "answered with its jobs; a key is its user's, and refused for another request; "
+                                      "the CLI sends a cut-off submission again with its key",
+                                      ("tests/test_idempotent_submit.py",)),
     "agents supervised": Rule("`up` starts a dead agent again, at once unless it keeps dying, then ever more slowly",
                               ("tests/test_restarts.py::test_an_agent_that_keeps_dying_is_started_again_ever_more_slowly",
                                "tests/test_restarts.py::test_an_agent_killed_while_its_task_runs_is_started_again_and_"
@@ -434,9 +443,25 @@ MUTANTS: tuple[Mutant, ...] = (
     M("unwatched-exits-are-not-polled", "the reaper wakes when due", "services/inventory/agent.py",
       "wait = min(wait, REAP_POLL_S)\n                continue", "continue"),
     M("a-refused-request-answered-503", "the gateway waits out a restart", "services/stack.py",
-      "if time.monotonic() >= deadline or not may_send_again(request.method, e):", "if True:"),
+      "if time.monotonic() >= deadline or not may_send_again(request.method, e, keyed):", "if True:"),
     M("a-cut-off-post-sent-again", "the gateway waits out a restart", "services/stack.py",
-      "and method in IDEMPOTENT", ""),
+      "return cut_off and (method in IDEMPOTENT or keyed)", "return cut_off"),
+    M("a-cut-off-submission-answered-503", "the gateway waits out a restart", "services/stack.py",
+      "return cut_off and (method in IDEMPOTENT or keyed)", "return cut_off and method in IDEMPOTENT"),
+    M("the-gateway-keys-any-post", "the gateway waits out a restart", "services/stack.py",
+      'if method != "POST" or path.rstrip("/") != "/v1/jobs":', 'if method != "POST":'),
+    M("a-retry-gets-new-ids", "submissions recorded once", "services/scheduler/api.py",
+      'base = new_id("j-") if bases is None else bases[n]', 'base = new_id("j-")'),
+    M("a-retry-not-answered-from-the-record", "submissions recorded once", "services/scheduler/api.py",
+      "if key and bases and (replay := recorded_before(", "if False and (replay := recorded_before("),
+    M("a-key-reused-for-another-request", "submissions recorded once", "services/scheduler/api.py",
+      "            raise HTTPException(422, reused(key, job.job_id))", "            pass"),
+    M("a-key-shared-between-users", "submissions recorded once", "services/scheduler/api.py",
+      'f"{user}\\0{key}\\0{index}\\0{kind}"', 'f"{key}\\0{index}\\0{kind}"'),
+    M("the-cli-retries-without-its-key", "submissions recorded once", "services/cli.py",
+      'headers["idempotency-key"] = key', "pass"),
+    M("the-cli-gives-up-at-a-cut-off", "submissions recorded once", "services/cli.py",
+      "if key is None or not reached or time.monotonic() >= deadline:", "if True:"),
     M("reports-sent-while-the-bus-is-away", "reports in task order", "services/inventory/outbox.py",
       "if not evlog.nc.is_connected:", "if False:"),
     M("dead-agents-left-dead", "agents supervised", "services/stack.py",

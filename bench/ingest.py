@@ -8,7 +8,8 @@ jobs, so that every measured job is accepted and then waits queued: no task runs
 see every job. Each run measures, in the same stack:
 
 - ``batch``:  jobs/s accepted in batches of 100 (a JSON list), 4 clients posting 5 batches each;
-- ``single``: jobs/s accepted one per request, 64 concurrent clients (``bench.loadgen``), 8 jobs each;
+- ``single``: jobs/s accepted one per request, 64 concurrent clients (``bench.loadgen``), 8 jobs each; then the
+  same with an Idempotency-Key on each request (``single_keyed``: the keyed path's cost);
 - ``open``:   POST latency p50/p99 at 200 jobs/s offered for 4 s (open loop: a request starts on time whether
   or not the earlier ones have answered).
 
@@ -96,13 +97,16 @@ async def batches(c: Client, clients: int = 4, each: int = 5, size: int = 100) -
     return clients * each * size / (time.perf_counter() - t0)
 
 
-async def singles(c: Client, clients: int = 64, each: int = 8) -> float:
-    """Jobs per second, ``clients`` each posting ``each`` single jobs one after another."""
+async def singles(c: Client, clients: int = 64, each: int = 8, keyed: bool = False) -> float:
+    """Jobs per second, ``clients`` each posting ``each`` single jobs one after another (``keyed``: each with an
+    Idempotency-Key of its own, as the --split gateway and `gpuorch submit` send them)."""
     raw = c.prepare("POST", "/v1/jobs", JOB)
+    run = os.urandom(4).hex()
 
     async def one_client() -> None:
-        for _ in range(each):
-            await fire(c, raw)
+        for i in range(each):
+            await fire(c, c.prepare("POST", "/v1/jobs", JOB, {"idempotency-key": f"{run}-{id(asyncio.current_task())}-{i}"})
+                       if keyed else raw)
     t0 = time.perf_counter()
     await asyncio.gather(*(one_client() for _ in range(clients)))
     return clients * each / (time.perf_counter() - t0)
@@ -167,6 +171,8 @@ async def measure(runs: int, root: Path) -> dict:
             await settled(c)
             run["single_jobs_per_s"] = await singles(load)
             await settled(c)
+            run["single_keyed_jobs_per_s"] = await singles(load, keyed=True)
+            await settled(c)
             run["open_p50_ms"], run["open_p99_ms"] = await open_loop(load)
             results.append(run)
         load.close()
@@ -183,6 +189,8 @@ def show(r: dict) -> None:
           f"{TARGETS['batch_jobs_per_s']}")
     print(f"  single, 64 clients        : {m['single_jobs_per_s']:7.0f} jobs/s   target >= "
           f"{TARGETS['single_jobs_per_s']}   before {BEFORE['single_jobs_per_s']} (16 cores)")
+    print(f"  single, with a key each   : {m['single_keyed_jobs_per_s']:7.0f} jobs/s   (Idempotency-Key: what the "
+          "--split gateway and `gpuorch submit` send)")
     print(f"  200 jobs/s offered        : p50 {m['open_p50_ms']:.0f} ms, p99 {m['open_p99_ms']:.0f} ms   target p99 <= "
           f"{TARGETS['open_p99_ms']}   before {BEFORE['open_p50_ms']}/{BEFORE['open_p99_ms']} ms (16 cores)")
 

@@ -92,10 +92,11 @@ class Client:
         _, c = await asyncio.get_running_loop().create_connection(_Conn, self.host, self.port)
         return c
 
-    def prepare(self, method: str, path: str, body: Any = None) -> bytes:
-        """The request's bytes (``body``: bytes or JSON-able): build them once and send them many times."""
+    def prepare(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> bytes:
+        """The request's bytes (``body``: bytes or JSON-able; ``headers``: this request's own): build them once and
+        send them many times."""
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        head = f"{method} {path} HTTP/1.1\r\n{self._head}"
+        head = f"{method} {path} HTTP/1.1\r\n{self._head}" + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         if data is not None:
             head += f"content-type: application/json\r\ncontent-length: {len(data)}\r\n"
         return head.encode() + b"\r\n" + (data or b"")

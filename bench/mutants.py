@@ -458,6 +458,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "            raise HTTPException(422, reused(key, job.job_id))", "            pass"),
     M("a-key-shared-between-users", "submissions recorded once", "services/scheduler/api.py",
       'f"{user}\\0{key}\\0{index}\\0{kind}"', 'f"{key}\\0{index}\\0{kind}"'),
+    M("a-key-forgotten-with-its-job", "submissions recorded once", "services/scheduler/api.py",
+      "elif (named := scheduler.history.name_and_queue(first)) is not None:", "elif False:"),
     M("the-cli-retries-without-its-key", "submissions recorded once", "services/cli.py",
       'headers["idempotency-key"] = key', "pass"),
     M("the-cli-gives-up-at-a-cut-off", "submissions recorded once", "services/cli.py",

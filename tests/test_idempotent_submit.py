@@ -165,3 +165,34 @@ def test_the_cli_fails_at_once_when_nothing_listens(monkeypatch):
         url = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: refused
         res = CliRunner().invoke(cli.app, ["submit", "--url", url, "--", "true"])
     assert res.exit_code == 1 and "cannot reach gpuorch" in res.output and "may have been recorded" not in res.output
+
+
+async def test_a_key_whose_job_ended_long_ago_is_answered_from_the_history(eventlog, monkeypatch):
+    """Out of memory (only the last KEEP_FINISHED ended jobs stay) and past the log's duplicate window, the SQL
+    history still knows the job: the retry is answered from its row, another request under the key refused."""
+    import shared.cluster
+
+    monkeypatch.setattr(shared.cluster, "KEEP_FINISHED", 1)
+    async def until_async(get, what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + 20
+        while (r := await get()).status_code != 200 or not r.json().get("archived"):
+            assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}: {r.text}"
+            await asyncio.sleep(0.05)
+
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, services):
+        await with_a_node(eventlog)
+        old = (await client.post("/v1/jobs", json=job("old"), headers=keyed("long-ago"))).json()["id"]
+        for name in ("old", "newer", "newest"):
+            if name != "old":
+                r = await client.post("/v1/jobs", json=job(name))
+                assert r.status_code == 201
+            jid = old if name == "old" else r.json()["id"]
+            assert (await client.delete(f"/v1/jobs/{jid}")).status_code == 200
+        await until_async(lambda: client.get(f"/v1/jobs/{old}"), "the old job to leave memory for its history row")
+        assert old not in services["scheduler"].projection.jobs
+        again = await client.post("/v1/jobs", json=job("old"), headers=keyed("long-ago"))
+        assert again.status_code == 201, again.text
+        assert again.json()["id"] == old and again.json()["archived"] is True
+        assert again.headers.get("idempotent-replayed") == "true"
+        other = await client.post("/v1/jobs", json=job("renamed"), headers=keyed("long-ago"))
+        assert other.status_code == 422 and f"(job {old})" in other.json()["detail"], other.text

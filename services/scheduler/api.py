@@ -337,10 +337,10 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                 spec = with_secrets_apart(JobSpec.model_validate(req.model_dump(exclude={"array"})))
                 mismatch(req, spec, base, key)
                 answers.append(answer(req, job.spec, warnings, base, p.user))
-            elif (row := scheduler.history.get(first)) is not None:
-                if row.name != req.name or row.queue != req.queue:
+            elif (named := scheduler.history.name_and_queue(first)) is not None:  # ended long ago: its row
+                if named != (req.name, req.queue):
                     raise HTTPException(422, reused(key, first))
-                answers.append(answer(req, None, warnings, base, p.user, row))
+                answers.append(answer(req, None, warnings, base, p.user, scheduler.history.get(first)))
             else:
                 return None
         return answers

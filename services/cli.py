@@ -385,8 +385,9 @@ def submit(
     # the jobs of one file go in one request, a batch: every one is accepted, or none is (jobs[i] says which not)
     params = {"dry_run": "true"} if dry_run else None
     key = idempotency_key or uuid.uuid4().hex
-    answered = api("POST", url, "/v1/jobs", json=bodies, params=params, key=key) if len(bodies) > 1 else \
-        [api("POST", url, "/v1/jobs", json=bodies[0], params=params, key=key)]
+    resp = api_response("POST", url, "/v1/jobs", json=bodies if len(bodies) > 1 else bodies[0], params=params, key=key)
+    answered = resp.json() if len(bodies) > 1 else [resp.json()]
+    submitted = "already submitted (same --idempotency-key):" if resp.headers.get("idempotent-replayed") else "submitted"
     answers = []
     for t, job in zip(translated, answered):
         label = f"{t.origin}: " if len(translated) > 1 else ""
@@ -401,10 +402,10 @@ def submit(
                 _print_dry_run(job)
             elif "jobs" in job:
                 limit = f", at most {job['max_running']} at once" if job.get("max_running") else ""
-                console.print(f"submitted array [bold]{job['id']}[/bold] ({job['name']}): {job['count']} jobs "
+                console.print(f"{submitted} array [bold]{job['id']}[/bold] ({job['name']}): {job['count']} jobs "
                               f"{job['id']}-INDEX{limit}, to queue {job['queue']}")
             else:
-                console.print(f"submitted [bold]{job['id']}[/bold] ({job['name']}) to queue {job['queue']}: "
+                console.print(f"{submitted} [bold]{job['id']}[/bold] ({job['name']}) to queue {job['queue']}: "
                               f"{job['state']}")
     if as_json:
         print_json(answers[0] if len(answers) == 1 else answers)

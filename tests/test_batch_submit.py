@@ -12,7 +12,7 @@ from shared import events as ev
 from shared.eventlog import EventLog
 from shared.events import Envelope
 from tests.builders import node
-from tests.jobfiles.test_cli import gpuorch, through
+from tests.jobfiles.test_cli import gpuorch, through_response
 from tests.support import as_user, in_process_stack
 
 
@@ -135,13 +135,13 @@ async def test_submit_f_sends_the_documents_of_a_file_as_one_batch(eventlog, mon
     async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
         before = await with_a_node(eventlog)
         posts = []
-        answer = through(client, asyncio.get_running_loop())
+        answer = through_response(client, asyncio.get_running_loop())
 
-        def api(method, url, path, **kw):
+        def api_response(method, url, path, **kw):
             if method == "POST":
                 posts.append(kw.get("json"))
             return answer(method, url, path, **kw)
-        monkeypatch.setattr(cli, "api", api)
+        monkeypatch.setattr(cli, "api_response", api_response)
         jobs = tmp_path / "jobs.yaml"
         jobs.write_text("\n---\n".join(json.dumps(job(n)) for n in ("prep", "train", "eval")))
         code, out = await gpuorch("submit", "-f", str(jobs), "--json")

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from services import cli
 from shared.eventlog import EventLog
 from tests.support import as_user, in_process_stack
+from tests.jobfiles.test_cli import answer_through, gpuorch
 from tests.test_batch_submit import counting_appends, job, submitted_seqs, with_a_node
 
 
@@ -196,3 +197,14 @@ async def test_a_key_whose_job_ended_long_ago_is_answered_from_the_history(event
         assert again.headers.get("idempotent-replayed") == "true"
         other = await client.post("/v1/jobs", json=job("renamed"), headers=keyed("long-ago"))
         assert other.status_code == 422 and f"(job {old})" in other.json()["detail"], other.text
+
+
+async def test_the_cli_says_a_submission_sent_again_was_already_submitted(eventlog, monkeypatch):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        await with_a_node(eventlog)
+        answer_through(monkeypatch, client)
+        outs = [await gpuorch("submit", "--idempotency-key", "nightly-7", "--", "true") for _ in range(2)]
+        assert [code for code, _ in outs] == [0, 0], outs
+        first, again = (" ".join(out.split()) for _, out in outs)
+        assert first.startswith("submitted j-") and again.startswith("already submitted (same --idempotency-key): j-")
+        assert first.split()[1] == again.split()[4], "the same job"

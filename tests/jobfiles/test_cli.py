@@ -32,6 +32,13 @@ def through_response(client, loop: asyncio.AbstractEventLoop):
     return api_response
 
 
+def answer_through(monkeypatch, client) -> None:
+    """Every CLI call (``api``, and ``api_response``, which submit calls for the headers) answered by the stack."""
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(cli, "api", through(client, loop))
+    monkeypatch.setattr(cli, "api_response", through_response(client, loop))
+
+
 async def gpuorch(*args: str) -> tuple[int, str]:
     res = await asyncio.to_thread(CliRunner().invoke, cli.app, list(args))
     return res.exit_code, res.output
@@ -41,7 +48,7 @@ async def test_submit_f_of_an_sbatch_two_node_by_eight_gpu_job_runs_its_tasks_on
         eventlog, agents, monkeypatch):
     agents("a", "b", profile="dgx-h100")
     async with in_process_stack(eventlog) as (client, _):
-        monkeypatch.setattr(cli, "api", through(client, asyncio.get_running_loop()))
+        answer_through(monkeypatch, client)
         await nodes_up(client, 2)
 
         code, out = await gpuorch("submit", "-f", str(INPUTS / "two_nodes_eight_gpus.sh"), "--json")
@@ -69,7 +76,7 @@ async def test_dry_run_and_queue_commands_from_the_command_line(eventlog, monkey
     from tests.builders import node
 
     async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
-        monkeypatch.setattr(cli, "api", through(client, asyncio.get_running_loop()))
+        answer_through(monkeypatch, client)
         await eventlog.append_many([Envelope(ev.NodeRegistered(node_id=f"n{i}", node=node(f"n{i}").gpus(8, model="H100-80GB").build()))
                                     for i in range(2)])
 

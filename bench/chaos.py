@@ -15,7 +15,9 @@ Scenarios, each on a fresh data dir with simulated nodes, submissions running th
 Printed per scenario and in total: kills by kind; time to ready after each (median, max); acknowledged
 submissions missing from the log (must be 0); tasks started twice for one attempt (0); GPUs held by
 two running tasks at once, from folding the agents' task starts and exits (0); jobs that failed
-(0: no command fails); the standby's takeover time after the leader's SIGKILL; `events verify`.
+(0: no command fails); the standby's takeover time after the leader's SIGKILL; `events verify`. Each submission
+carries an Idempotency-Key and is sent again with it while the answer is a broken connection or 503 (as `gpuorch
+submit` does): how often, and jobs recorded twice (0).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ SHAPES = [  # (weight, body): every command succeeds, so any failed job is the c
     (1, {"name": "half", "resources": {"gpus": 0.5}, "command": ["sleep", "1"]}),
 ]
 TERMINAL = {"succeeded", "failed", "cancelled", "rejected"}
+RETRY_S = 30.0  # a submission is sent again with its key this long (a restart of `up` takes seconds)
+RETRIED = ("ConnectError", "ReadError", "WriteError", "RemoteProtocolError", "ReadTimeout", "ConnectTimeout",
+           "WriteTimeout", "PoolTimeout")
 
 
 def alive(pid: int | None) -> bool:
@@ -150,23 +155,34 @@ class Stack:
 class Run:
     acked: set[str] = field(default_factory=set)
     refused: Counter = field(default_factory=Counter)
+    sent_again: Counter = field(default_factory=Counter)  # why a submission was sent again with its key
     kills: Counter = field(default_factory=Counter)
     ready_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     takeover_s: list[float] = field(default_factory=list)
 
 
 async def submit_forever(stack: Stack, run: Run, rate: float, stop: asyncio.Event, rng: random.Random) -> None:
+    """Each submission carries an Idempotency-Key of its own and is sent again with it, as `gpuorch submit` does,
+    while the answer is a broken connection or 503, for up to RETRY_S: every one recorded once, however often."""
     weights = [w for w, _ in SHAPES]
+    n = 0
     while not stop.is_set():
-        body = rng.choices([b for _, b in SHAPES], weights)[0]
-        try:
-            r = await stack.api.post("/v1/jobs", json=body)
-            if r.status_code == 201:
+        body, n = rng.choices([b for _, b in SHAPES], weights)[0], n + 1
+        key, deadline = f"chaos-{os.getpid()}-{n}", time.monotonic() + RETRY_S
+        while True:
+            try:
+                r = await stack.api.post("/v1/jobs", json=body, headers={"idempotency-key": key})
+                why: str | int | None = None if r.status_code == 201 else r.status_code
+            except (httpx.HTTPError, OSError) as e:
+                why = type(e).__name__
+            if why is None:
                 run.acked.add(r.json()["id"])
-            else:
-                run.refused[r.status_code] += 1
-        except (httpx.HTTPError, OSError):
-            run.refused["unreachable"] += 1  # not acknowledged: the client would retry, nothing is promised
+                break
+            if why not in (503, *RETRIED) or time.monotonic() > deadline:
+                run.refused[why] += 1  # not acknowledged: nothing is promised
+                break
+            run.sent_again[why] += 1
+            await asyncio.sleep(0.2)
         await asyncio.sleep(1 / rate)
 
 
@@ -286,6 +302,9 @@ async def audit(stack: Stack, run: Run, settle_s: float) -> dict:
     invalid = sum(v["invalid_transitions"] for v in verify)
     return {
         "acked": len(run.acked), "lost": len(run.acked - submitted), "unfinished": len(open_jobs),
+        "sent_again": dict(run.sent_again),
+        "recorded_twice": sum(1 for n in Counter(r.data.job_id for r in records
+                                                 if r.data.TYPE == "job.submitted").values() if n > 1),
         "started_twice": sum(1 for n in starts.values() if n > 1), "double_booked": double_booked,
         "failed": len(failed), "failed_examples": failed[:5], "refused": dict(run.refused),
         "kills": dict(run.kills), "ready_s": {k: (statistics.median(v), max(v)) for k, v in run.ready_s.items()},
@@ -351,6 +370,7 @@ def show(name: str, r: dict) -> None:
     print(f"\n== {name}: kills {r['kills']}")
     print(f"   time to ready (median/max): {ready}")
     print(f"   acknowledged {r['acked']}, lost {r['lost']} (target 0), unfinished {r['unfinished']}, refused {r['refused']}")
+    print(f"   sent again with their key {r['sent_again']}, recorded twice {r['recorded_twice']} (0)")
     print(f"   tasks started twice {r['started_twice']} (0), GPU double-booked {r['double_booked']} (0), "
           f"jobs failed {r['failed']} (0) {r['failed_examples']}")
     print(f"   standby takeover after the leader's SIGKILL: {takeover} s; events verify: "
@@ -370,8 +390,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix=f"chaos-{name}-") as tmp:
             out[name] = asyncio.run(scenario(name, args.seconds, args.rate, args.seed, Path(tmp)))
         show(name, out[name])
-    total = {k: sum(r[k] for r in out.values()) for k in ("acked", "lost", "started_twice", "double_booked", "failed",
-                                                          "verify_invalid")}
+    total = {k: sum(r[k] for r in out.values()) for k in ("acked", "lost", "recorded_twice", "started_twice",
+                                                          "double_booked", "failed", "verify_invalid")}
     print(f"\nall: {total}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str))

@@ -158,8 +158,9 @@ RULES: dict[str, Rule] = {
                                              "tests/test_stack.py::test_the_gateway_gives_each_submission_a_key_and_"
                                              "keeps_the_clients")),
     "submissions recorded once": Rule("a submission sent again with its Idempotency-Key records nothing twice and is "
-                                      "answered with its jobs; a key is its user's, and refused for another request; "
-                                      "the CLI sends a cut-off submission again with its key",
+                                      "answered with its jobs, or completed where a try died half-way; a key is its "
+                                      "user's, and refused for another request; the CLI sends a cut-off submission "
+                                      "again with its key",
                                       ("tests/test_idempotent_submit.py",)),
     "agents supervised": Rule("`up` starts a dead agent again, at once unless it keeps dying, then ever more slowly",
                               ("tests/test_restarts.py::test_an_agent_that_keeps_dying_is_started_again_ever_more_slowly",
@@ -460,6 +461,12 @@ MUTANTS: tuple[Mutant, ...] = (
       'f"{user}\\0{key}\\0{index}\\0{kind}"', 'f"{key}\\0{index}\\0{kind}"'),
     M("a-key-forgotten-with-its-job", "submissions recorded once", "services/scheduler/api.py",
       "elif (named := scheduler.history.name_and_queue(first)) is not None:", "elif False:"),
+    M("a-recorded-job-appended-again", "submissions recorded once", "services/scheduler/api.py",
+      "known = proj.jobs.get(job_id) if bases is not None else None", "known = None"),
+    M("a-lost-queued-left-lost", "submissions recorded once", "services/scheduler/api.py",
+      'if known is None or known.state == "submitted":', "if known is None:"),
+    M("an-array-recorded-in-part-answered-whole", "submissions recorded once", "services/scheduler/api.py",
+      "return None  # an earlier try recorded part of an array: record the rest", "pass"),
     M("the-cli-retries-without-its-key", "submissions recorded once", "services/cli.py",
       'headers["idempotency-key"] = key', "pass"),
     M("the-cli-gives-up-at-a-cut-off", "submissions recorded once", "services/cli.py",

@@ -70,7 +70,7 @@ async def test_a_key_used_for_another_request_is_refused_and_records_nothing(eve
         for key, other, recorded in (
                 ("k", job("train", gpus=2), first.json()["id"]),
                 ("k", job("eval"), first.json()["id"]),
-                ("a", {**job("sweep"), "array": {"indices": [0, 1, 2]}}, array.json()["jobs"][0]),
+                ("a", {**job("eval"), "array": {"indices": [0, 1]}}, array.json()["jobs"][0]),
                 ("a", {**job("sweep"), "array": {"indices": [0, 1], "max_running": 1}}, array.json()["jobs"][0])):
             r = await client.post("/v1/jobs", json=other, headers=keyed(key))
             assert r.status_code == 422, r.text
@@ -208,3 +208,43 @@ async def test_the_cli_says_a_submission_sent_again_was_already_submitted(eventl
         first, again = (" ".join(out.split()) for _, out in outs)
         assert first.startswith("submitted j-") and again.startswith("already submitted (same --idempotency-key): j-")
         assert first.split()[1] == again.split()[4], "the same job"
+
+
+async def test_a_submission_recorded_in_part_by_a_try_that_died_is_completed_once(eventlog):
+    """A scheduler killed in the middle of a keyed batch's append leaves some of its events in the log. The next
+    try records the rest, each job once, and appends nothing again: past the log's duplicate window (here: the
+    first try's events under other message ids) a copy would be a job submitted twice."""
+    from services.scheduler.api import JobRequest, keyed_id
+    from shared import events as ev
+    from shared.events import Envelope
+    from shared.model import ArrayElement, JobSpec
+
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, services):
+        before = await with_a_node(eventlog)
+        user = (await client.get("/v1/whoami")).json()["user"]
+        body = [job("a"), job("b"), {**job("c"), "array": {"indices": [0, 1, 2, 3]}}]
+        a, b, c = (keyed_id(user, "half", i, "array" in r) for i, r in enumerate(body))
+
+        def spec(i: int) -> JobSpec:
+            return JobSpec.model_validate(JobRequest.model_validate(body[i]).model_dump(exclude={"array"}))
+
+        def env(event, job_id: str, kind: str) -> Envelope:
+            return Envelope(event, id=f"{job_id}-{kind}-first-try", source="/gpuorch/scheduler", actor=user)
+        element = [spec(2).model_copy(update={"array": ArrayElement(id=c, index=i)}) for i in (0, 1)]
+        await eventlog.append_many([  # a: both events; b: its submission only; c: two of four elements
+            env(ev.JobSubmitted(job_id=a, spec=spec(0), owner=user), a, "submitted"),
+            env(ev.JobQueued(job_id=a), a, "queued"),
+            env(ev.JobSubmitted(job_id=b, spec=spec(1), owner=user), b, "submitted"),
+            *(env(ev.JobSubmitted(job_id=f"{c}-{i}", spec=element[i], owner=user), f"{c}-{i}", "submitted")
+              for i in (0, 1)),
+            *(env(ev.JobQueued(job_id=f"{c}-{i}"), f"{c}-{i}", "queued") for i in (0, 1))])
+        r = await client.post("/v1/jobs", json=body, headers=keyed("half"))
+        assert r.status_code == 201, r.text
+        assert [j["id"] for j in r.json()] == [a, b, c] and r.json()[2]["jobs"] == [f"{c}-{i}" for i in range(4)]
+        every = [a, b, *(f"{c}-{i}" for i in range(4))]
+        logged = await submitted_seqs(eventlog, before)
+        for kind in ("job.submitted", "job.queued"):
+            assert sorted(i for _, t, i in logged if t == kind) == sorted(every), kind
+        assert services["scheduler"].projection.invalid_count == 0, "a job recorded twice"
+        states = {j: (await client.get(f"/v1/jobs/{j}")).json()["state"] for j in every}
+        assert "submitted" not in states.values(), states

@@ -318,9 +318,10 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             apart = with_secrets_apart(spec)
             accepted.append((req, apart, [*w, *more, *secrets_warning(spec, apart)]))
         answers = await record(accepted, p, bases)
-        if key and bases:
-            for (req, spec, _), base in zip(accepted, bases):  # stored once already, within the duplicate window
-                mismatch(req, spec, base, key)
+        if key and bases:  # a request racing this one with another body under the key was stored first
+            for (req, spec, _), base in zip(accepted, bases):
+                if (job := proj.jobs.get(ids_of(req, base)[0])) is not None:
+                    same_request(req, spec, job, key)
         return answers[0] if one else answers
 
     def ids_of(req: JobRequest, base: str) -> list[str]:
@@ -332,10 +333,13 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         memory, or ended long ago and in the SQL read model), else None. 422 if the key recorded another request."""
         answers = []
         for req, base, warnings in zip(batch, bases, said):
-            first = ids_of(req, base)[0]
+            ids = ids_of(req, base)
+            first = ids[0]
             if (job := proj.jobs.get(first)) is not None:
-                spec = with_secrets_apart(JobSpec.model_validate(req.model_dump(exclude={"array"})))
-                mismatch(req, spec, base, key)
+                same_request(req, with_secrets_apart(JobSpec.model_validate(req.model_dump(exclude={"array"}))), job,
+                             key)
+                if any(i not in proj.jobs for i in ids[1:]):
+                    return None  # an earlier try recorded part of an array: record the rest
                 answers.append(answer(req, job.spec, warnings, base, p.user))
             elif (named := scheduler.history.name_and_queue(first)) is not None:  # ended long ago: its row
                 if named != (req.name, req.queue):
@@ -349,17 +353,12 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         return (f"Idempotency-Key {key!r} was used for another request (job {job_id}): send a new submission with "
                 "a new key")
 
-    def mismatch(req: JobRequest, spec: JobSpec, base: str, key: str) -> None:
-        """422 unless the jobs recorded under this key are the ones this request makes (resolved dependencies aside:
-        they are resolved again at each try): the same spec, and for an array every element, at most as many at
-        once."""
-        ids = ids_of(req, base)
-        if (job := proj.jobs.get(ids[0])) is None:
-            return
+    def same_request(req: JobRequest, spec: JobSpec, job: JobRecord, key: str) -> None:
+        """422 unless ``job``, recorded under this key, is what this request makes (resolved dependencies aside:
+        they are resolved again at each try): the same spec, and for an array as many at once."""
         skip = {"dependencies", "array"}
         if job.spec.model_dump(exclude=skip) != spec.model_dump(exclude=skip) or (req.array is not None and (
-                any(i not in proj.jobs for i in ids)
-                or job.spec.array is None or job.spec.array.max_running != req.array.max_running)):
+                job.spec.array is None or job.spec.array.max_running != req.array.max_running)):
             raise HTTPException(422, reused(key, job.job_id))
 
     def answer(req: JobRequest, spec: JobSpec | None, warnings: list[str], base: str, owner: str, row: Any = None
@@ -380,7 +379,8 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                      bases: list[str] | None = None) -> list[dict[str, Any]]:
         """Append every job's ``job.submitted`` and ``job.queued`` (each array element a job of its own, id
         ``<array id>-<index>``) in one batch, wait once for the fold to reach the last, and answer each request.
-        ``bases``: the requests' ids (an Idempotency-Key's), else new ones."""
+        ``bases``: the requests' ids (an Idempotency-Key's), else new ones; a keyed job an earlier try recorded is
+        not appended again (its copy would be an invalid transition once past the log's duplicate window)."""
         source, envs, made = "/gpuorch/scheduler", [], []
         for n, (req, spec, _) in enumerate(accepted):
             base = new_id("j-") if bases is None else bases[n]
@@ -390,18 +390,22 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             # one job: the request's trace; a batch: a trace per job (an array's elements share their array's)
             trace = new_trace("scheduler.submit", **{"gpuorch.job.id": base}) if len(accepted) > 1 else None
             for job_id, s in jobs:
-                envs += [Envelope(ev.JobSubmitted(job_id=job_id, spec=s, owner=p.user), id=f"{job_id}-submitted",
-                                  source=source, actor=p.user, traceparent=trace),
-                         Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source, actor=p.user,
-                                  traceparent=trace)]
+                known = proj.jobs.get(job_id) if bases is not None else None
+                if known is None:
+                    envs.append(Envelope(ev.JobSubmitted(job_id=job_id, spec=s, owner=p.user),
+                                         id=f"{job_id}-submitted", source=source, actor=p.user, traceparent=trace))
+                if known is None or known.state == "submitted":
+                    envs.append(Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source,
+                                         actor=p.user, traceparent=trace))
             made.append((base, [job_id for job_id, _ in jobs]))
         assert svc.log is not None
-        seqs = await svc.log.append_many(envs)
+        seqs = await svc.log.append_many(envs) if envs else []
         scheduler.wake.set()
         what = f"{'array' if accepted[0][0].array else 'job'} {made[0][0]} is" if len(made) == 1 else \
             f"the batch's {len(made)} jobs ({made[0][0]} to {made[-1][0]}) are"
-        await svc.caught_up(seqs[-1], advice=f"{what} recorded: read it with GET /v1/jobs/{made[0][0]} rather than "
-                                             "submitting it again")
+        if seqs:
+            await svc.caught_up(seqs[-1], advice=f"{what} recorded: read it with GET /v1/jobs/{made[0][0]} rather "
+                                                 "than submitting it again")
         return [answer(req, spec, warnings, base, p.user) for (req, spec, warnings), (base, _) in zip(accepted, made)]
 
     @r.get("/v1/jobs")

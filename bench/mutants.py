@@ -147,8 +147,8 @@ RULES: dict[str, Rule] = {
                                   "acknowledged, and a registration goes alone; nothing goes while the bus is away",
                                   ("tests/inventory/test_outbox.py",)),
     "the gateway waits out a restart": Rule("the split gateway sends a request again while its service restarts: "
-                                            "any that was refused, an idempotent or keyed one that was cut off, no "
-                                            "other",
+                                            "any that was refused; one cut off if idempotent: its method, a keyed "
+                                            "submission, a POST idempotent by design; no other",
                                             ("tests/test_stack.py::test_the_gateway_sends_again_only_what_cannot_"
                                              "have_been_acted_on",
                                              "tests/test_stack.py::test_a_request_for_a_split_service_that_is_being_"
@@ -444,13 +444,15 @@ MUTANTS: tuple[Mutant, ...] = (
     M("unwatched-exits-are-not-polled", "the reaper wakes when due", "services/inventory/agent.py",
       "wait = min(wait, REAP_POLL_S)\n                continue", "continue"),
     M("a-refused-request-answered-503", "the gateway waits out a restart", "services/stack.py",
-      "if time.monotonic() >= deadline or not may_send_again(request.method, e, keyed):", "if True:"),
+      "if time.monotonic() >= deadline or not may_send_again(request.method, e, safe_post):", "if True:"),
     M("a-cut-off-post-sent-again", "the gateway waits out a restart", "services/stack.py",
-      "return cut_off and (method in IDEMPOTENT or keyed)", "return cut_off"),
+      "return cut_off and (method in IDEMPOTENT or safe_post)", "return cut_off"),
     M("a-cut-off-submission-answered-503", "the gateway waits out a restart", "services/stack.py",
-      "return cut_off and (method in IDEMPOTENT or keyed)", "return cut_off and method in IDEMPOTENT"),
+      "return cut_off and (method in IDEMPOTENT or safe_post)", "return cut_off and method in IDEMPOTENT"),
     M("the-gateway-keys-any-post", "the gateway waits out a restart", "services/stack.py",
-      'if method != "POST" or path.rstrip("/") != "/v1/jobs":', 'if method != "POST":'),
+      'if path.rstrip("/") != "/v1/jobs":', "if False:"),
+    M("a-drain-sent-again", "the gateway waits out a restart", "services/stack.py",
+      "/(cordon|resume)$", "/(cordon|resume|drain)$"),
     M("a-retry-gets-new-ids", "submissions recorded once", "services/scheduler/api.py",
       'base = new_id("j-") if bases is None else bases[n]', 'base = new_id("j-")'),
     M("a-retry-not-answered-from-the-record", "submissions recorded once", "services/scheduler/api.py",

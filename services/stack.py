@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -251,25 +252,34 @@ CONNECT_RETRY_EVERY_S = 0.1
 IDEMPOTENT = ("GET", "HEAD", "PUT", "DELETE")  # RFC 9110 9.2.2: sent twice, the same as once
 
 
-def may_send_again(method: str, error: Exception, keyed: bool = False) -> bool:
+def may_send_again(method: str, error: Exception, safe_post: bool = False) -> bool:
     """Whether the gateway may send a request again after this failure to reach its service. Refused: nothing
     was sent, so any request. Cut off (a kept-alive connection to a service that died; the failed connection
-    leaves the pool): a POST may have been acted on, so only an idempotent method, or a submission with its
-    Idempotency-Key (``keyed``: recorded once however often it is sent). Timed out: never."""
+    leaves the pool): a POST may have been acted on, so only an idempotent method, or a POST that ``resendable``
+    found safe (``safe_post``: a submission with its Idempotency-Key, recorded once however often it is sent, or a
+    POST idempotent by design). Timed out: never."""
     import httpx
 
     if isinstance(error, httpx.ConnectError):
         return True
     cut_off = isinstance(error, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError))
-    return cut_off and (method in IDEMPOTENT or keyed)
+    return cut_off and (method in IDEMPOTENT or safe_post)
 
 
-def with_submission_key(method: str, path: str, headers: dict[str, str]) -> bool:
-    """Give a submission (POST /v1/jobs) that has no Idempotency-Key one of its own, so that the gateway may send
-    it again if its service dies under it; whether it now has one. Only the job API honours the key (a dry run
-    ignores it: it records nothing): no other POST is ever sent again."""
-    if method != "POST" or path.rstrip("/") != "/v1/jobs":
+# POSTs that are idempotent by design: a node cordoned or resumed again "changes nothing" (health's API), and a
+# deployment's metrics are a gauge, the last value wins. Not drain (a second one starts its grace again), not a
+# token, not an injected XID.
+IDEMPOTENT_POSTS = re.compile(r"^/v1/nodes/[^/]+/(cordon|resume)$|^/v1/deployments/[^/]+/metrics$")
+
+
+def resendable(method: str, path: str, headers: dict[str, str]) -> bool:
+    """Whether a POST may be sent again after a cut-off: a submission (POST /v1/jobs), given an Idempotency-Key
+    of its own if it has none, so that a copy is recorded once; or a POST that is idempotent by design
+    (IDEMPOTENT_POSTS). Only the job API honours the key (a dry run ignores it: it records nothing)."""
+    if method != "POST":
         return False
+    if path.rstrip("/") != "/v1/jobs":
+        return IDEMPOTENT_POSTS.match(path) is not None
     headers.setdefault("idempotency-key", f"gateway-{uuid.uuid4().hex}")
     return True
 
@@ -532,7 +542,7 @@ async def serve_gateway(
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
         if traceparent := current_traceparent():  # traced: the service's span is a child of this request's
             headers["traceparent"] = traceparent
-        keyed = with_submission_key(request.method, request.url.path, headers)
+        safe_post = resendable(request.method, request.url.path, headers)
         body, deadline, told = await request.body(), time.monotonic() + CONNECT_RETRY_S, False
         while True:
             try:
@@ -541,11 +551,11 @@ async def serve_gateway(
                                             content=body, headers=headers)
                 break
             except httpx.HTTPError as e:
-                if time.monotonic() >= deadline or not may_send_again(request.method, e, keyed):
+                if time.monotonic() >= deadline or not may_send_again(request.method, e, safe_post):
                     return unavailable(name, e)
                 if not told:
-                    log.info("event=forward_again service=%s method=%s path=%s error=%r keyed=%s", name,
-                             request.method, request.url.path, e, keyed)
+                    log.info("event=forward_again service=%s method=%s path=%s error=%r safe_post=%s", name,
+                             request.method, request.url.path, e, safe_post)
                     told = True
                 await asyncio.sleep(CONNECT_RETRY_EVERY_S)  # the service is being started again (_supervise)
         return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"),

@@ -18,7 +18,7 @@ import pytest
 
 from bench.workload import workload
 from services.cli import verify_log
-from services.stack import may_send_again, with_submission_key
+from services.stack import may_send_again, resendable
 from shared.eventlog import EventLog
 from shared.natsauth import Credentials
 from shared.natsd import free_port
@@ -245,8 +245,8 @@ def test_the_gateway_sends_again_only_what_cannot_have_been_acted_on():
     assert may_send_again("DELETE", httpx.WriteError(""))
     assert not may_send_again("POST", cut) and not may_send_again("PATCH", cut), "it may have been acted on"
     assert not may_send_again("GET", late), "a slow service is not a dead one"
-    assert may_send_again("POST", cut, keyed=True), "a submission with its Idempotency-Key is recorded once"
-    assert not may_send_again("POST", late, keyed=True)
+    assert may_send_again("POST", cut, safe_post=True), "a submission with its Idempotency-Key is recorded once"
+    assert not may_send_again("POST", late, safe_post=True)
 
 
 def listed_ids(stack: Stack, name: str) -> list[str]:
@@ -295,15 +295,19 @@ def test_a_submission_cut_off_by_its_dying_service_is_sent_again_and_recorded_on
 
 def test_the_gateway_gives_each_submission_a_key_and_keeps_the_clients():
     headers: dict[str, str] = {}
-    assert with_submission_key("POST", "/v1/jobs", headers) and headers["idempotency-key"].startswith("gateway-")
+    assert resendable("POST", "/v1/jobs", headers) and headers["idempotency-key"].startswith("gateway-")
     other: dict[str, str] = {}
-    assert with_submission_key("POST", "/v1/jobs", other) and other["idempotency-key"] != headers["idempotency-key"]
+    assert resendable("POST", "/v1/jobs", other) and other["idempotency-key"] != headers["idempotency-key"]
     mine = {"idempotency-key": "mine"}
-    assert with_submission_key("POST", "/v1/jobs/", mine) and mine == {"idempotency-key": "mine"}
+    assert resendable("POST", "/v1/jobs/", mine) and mine == {"idempotency-key": "mine"}
     for method, path in (("POST", "/v1/queues"), ("GET", "/v1/jobs"), ("DELETE", "/v1/jobs/j-1"),
-                         ("POST", "/v1/tokens")):
+                         ("POST", "/v1/tokens"), ("POST", "/v1/nodes/n1/drain"), ("POST", "/v1/nodes/n1/inject-xid"),
+                         ("POST", "/v1/nodes/n1/cordon/x")):
         untouched: dict[str, str] = {}
-        assert not with_submission_key(method, path, untouched) and untouched == {}, (method, path)
+        assert not resendable(method, path, untouched) and untouched == {}, (method, path)
+    for path in ("/v1/nodes/n1/cordon", "/v1/nodes/n1/resume", "/v1/deployments/chat/metrics"):
+        untouched = {}
+        assert resendable("POST", path, untouched) and untouched == {}, f"{path}: idempotent by design"
 
 
 def test_a_request_for_a_split_service_that_is_being_restarted_waits_for_it(tmp_path: Path, stacks: list[Stack]):

@@ -248,3 +248,8 @@ async def test_a_submission_recorded_in_part_by_a_try_that_died_is_completed_onc
         assert services["scheduler"].projection.invalid_count == 0, "a job recorded twice"
         states = {j: (await client.get(f"/v1/jobs/{j}")).json()["state"] for j in every}
         assert "submitted" not in states.values(), states
+        lone = keyed_id(user, "lone", 0, False)  # one job, its job.queued lost: the retry appends it
+        await eventlog.append(env(ev.JobSubmitted(job_id=lone, spec=spec(0), owner=user), lone, "submitted"))
+        r = await client.post("/v1/jobs", json=body[0], headers=keyed("lone"))
+        assert r.status_code == 201 and r.json()["id"] == lone and r.json()["state"] != "submitted", r.text
+        assert services["scheduler"].projection.invalid_count == 0

@@ -338,8 +338,8 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             if (job := proj.jobs.get(first)) is not None:
                 same_request(req, with_secrets_apart(JobSpec.model_validate(req.model_dump(exclude={"array"}))), job,
                              key)
-                if any(i not in proj.jobs for i in ids[1:]):
-                    return None  # an earlier try recorded part of an array: record the rest
+                if any(i not in proj.jobs or proj.jobs[i].state == "submitted" for i in ids):
+                    return None  # an earlier try recorded part of it (an array's elements, a job.queued): the rest
                 answers.append(answer(req, job.spec, warnings, base, p.user))
             elif (named := scheduler.history.name_and_queue(first)) is not None:  # ended long ago: its row
                 if named != (req.name, req.queue):

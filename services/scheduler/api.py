@@ -206,6 +206,9 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         row = scheduler.history.get(job_id)
         if row is None or not (p.role != "user" or (row.owner and row.owner == p.user)):
             raise HTTPException(404, f"no job {job_id}")
+        return row_view(row)
+
+    def row_view(row: Any) -> dict[str, Any]:
         return redact({**row.model_dump(), "id": row.job_id, "placement": [], "archived": True})
 
     def with_secrets_apart(spec: JobSpec) -> JobSpec:
@@ -293,14 +296,14 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                                      "in one request")
         key = idempotency_key if not dry_run else None
         bases = [keyed_id(p.user, key, i, req.array is not None) for i, req in enumerate(batch)] if key else None
-        if key and bases and (replay := recorded_before(batch, bases, said, p, key)) is not None:
+        specs = [JobSpec.model_validate(req.model_dump(exclude={"array"})) for req in batch]
+        if key and bases and (replay := recorded_before(batch, specs, bases, said, p, key)) is not None:
             response.headers["Idempotent-Replayed"] = "true"
             return replay[0] if one else replay
         tokens = min(jobs, scheduler.settings.submit_burst)  # one per job, up to a burst: never refused for its size
         if p.role != "admin" and (wait := limiter.take(p.user, time.monotonic(), tokens)):
             raise HTTPException(429, f"{p.user} submits faster than {scheduler.settings.submit_rate_per_s:g} jobs/s",
                                 headers={"Retry-After": str(max(1, math.ceil(wait)))})
-        specs = [JobSpec.model_validate(req.model_dump(exclude={"array"})) for req in batch]
         with span("scheduler.admission", attributes={"gpuorch.jobs": len(specs)}):
             if any(verdicts := admitted(specs)):  # maybe stale: catch up with the log's head once, then judge again
                 assert svc.log is not None
@@ -327,17 +330,16 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
     def ids_of(req: JobRequest, base: str) -> list[str]:
         return [base] if req.array is None else [f"{base}-{i}" for i in req.array.indices]
 
-    def recorded_before(batch: list[JobRequest], bases: list[str], said: list[list[str]], p: Principal,
-                        key: str) -> list[dict[str, Any]] | None:
+    def recorded_before(batch: list[JobRequest], specs: list[JobSpec], bases: list[str], said: list[list[str]],
+                        p: Principal, key: str) -> list[dict[str, Any]] | None:
         """The answer to a submission whose jobs this key recorded already (each request's first job is known: in
         memory, or ended long ago and in the SQL read model), else None. 422 if the key recorded another request."""
         answers = []
-        for req, base, warnings in zip(batch, bases, said):
+        for req, spec, base, warnings in zip(batch, specs, bases, said):
             ids = ids_of(req, base)
             first = ids[0]
             if (job := proj.jobs.get(first)) is not None:
-                same_request(req, with_secrets_apart(JobSpec.model_validate(req.model_dump(exclude={"array"}))), job,
-                             key)
+                same_request(req, with_secrets_apart(spec), job, key)
                 if any(i not in proj.jobs or proj.jobs[i].state == "submitted" for i in ids):
                     return None  # an earlier try recorded part of it (an array's elements, a job.queued): the rest
                 answers.append(answer(req, job.spec, warnings, base, p.user))
@@ -370,8 +372,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                     "count": len(req.array.indices), "max_running": req.array.max_running,
                     "jobs": [f"{base}-{i}" for i in req.array.indices], "warnings": warnings}
         if row is not None:
-            return {**redact({**row.model_dump(), "id": row.job_id, "placement": [], "archived": True}),
-                    "warnings": warnings}
+            return {**row_view(row), "warnings": warnings}
         assert spec is not None
         return {**view(proj.jobs.get(base) or JobRecord(base, spec, state="queued", owner=owner)), "warnings": warnings}
 

@@ -155,13 +155,29 @@ class AgentProc:
         os.kill(self.proc.pid, sig)
 
     def task_pids(self) -> list[int]:
-        return [int(p.read_text()) for p in self.work.glob("jobs/*/*/*/pid") if p.read_text().strip()]
+        return [pid for p in self.work.glob("jobs/*/*/*/pid") if p.read_text().strip() and (pid := int(p.read_text())) > 1]
+
+    def keeper_pids(self) -> list[int]:
+        """The agent's task keepers (``launcher.py --serve``, labelled with its work dir), the current and closed ones."""
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--serve" in cmdline and any(a.endswith(f":{self.work.resolve()}".encode()) for a in cmdline):
+                found.append(int(proc.name))
+        return found
 
     def stop_everything(self) -> None:
+        """The node powers off: the agent, its task keepers and the tasks die at once, and none records anything."""
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGCONT)
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        for pid in self.keeper_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for pid in self.task_pids():
             try:
                 os.killpg(pid, signal.SIGKILL)

@@ -135,8 +135,13 @@ def kill_leftovers(data_dir: Path) -> None:
         if any(m in cmdline for m in marks):
             with contextlib.suppress(OSError):
                 if "launcher.py" in cmdline:
-                    os.killpg(int(proc.name), signal.SIGKILL)  # a task: its command is in its group
+                    os.killpg(int(proc.name), signal.SIGKILL)  # a task's own launcher: its command is in its group
                 os.kill(int(proc.name), signal.SIGKILL)
+    for pid_file in data_dir.glob("agents/*/jobs/*/*/*/pid"):  # tasks of a keeper lead their own groups
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pid_file.read_text() or 0)
+            if pid > 1 and os.readlink(f"/proc/{pid}/cwd").startswith(str(data_dir.resolve())):  # not a reused pid
+                os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.fixture

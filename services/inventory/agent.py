@@ -1,8 +1,9 @@
 """The node agent: registers its GPUs, heartbeats, samples telemetry, and runs the tasks placed on it.
 
-Each task runs under ``launcher.py`` in its own session, in one directory per
-(job, attempt, task) holding its logs, its pid and, at the end, its exit (layout:
-``taskdir``). The directory is the agent's memory across restarts: a task whose
+Each task runs in its own session as a child of the agent's task keeper (``launcher.py --serve``,
+``forker``), in one directory per (job, attempt, task) holding its logs, its pid and, at the end, its exit
+as the keeper recorded it (layout: ``taskdir``); the agent, a child subreaper, records the exits of the
+tasks of a keeper that died. The directory is the agent's memory across restarts: a task whose
 directory says "started" is never started again; a restarted agent re-adopts a
 live one and reports a vanished one as lost. A simulated node that powers off with
 its agent (``--kill-tasks-on-exit``) records its tasks as interrupted before it
@@ -40,6 +41,7 @@ from pydantic import ValidationError
 
 from services.inventory.discovery import poll_xid_events, register_xid_events, sample_telemetry
 from services.inventory.forker import Forker
+from services.inventory.launcher import become_subreaper, record_orphan
 from services.inventory.outbox import Outbox, Report
 from services.inventory.runas import RunAs, RunAsRefused, UserMap, agent_account, resolve
 from services.inventory.taskdir import (ExitRecord, LogNotFound, StateUnreadable, make_task_dir, make_workspace,
@@ -67,6 +69,8 @@ XID_POLL_MS = 500
 REAP_POLL_S = 0.1  # the reaper's round while some task's exit is not watched (no pidfd, or a report to retry)
 REAP_IDLE_S = 1.0  # its round while every task's exit wakes it: a safety net (16 idle simulated agents polling at
 # 0.1 s took 6 % of a core)
+RECORD_POLL_S = 0.005  # the reaper's round while an ended task's keeper has yet to write its record
+RECORD_WAIT_S = 2.0  # how long an ended task's record may lag its end before the task is reported lost
 ENDED_KEPT = 10_000  # ended jobs' last words kept in memory (a redelivered older word must not start them again)
 
 
@@ -82,6 +86,7 @@ class Task:
     reporting: bool = False  # its exit is in the outbox
     traceparent: str | None = None  # its start's span: its exit continues its job's trace
     watched: bool = False  # its exit wakes the reaper (a pidfd): no need to poll for it
+    record_due: float = 0.0  # ended without an exit record yet: reported as lost if none by then (monotonic)
 
     @property
     def key(self) -> str:
@@ -352,11 +357,15 @@ class Agent:
         finally:
             os.close(out)
             os.close(err)
-        (d / "pid").write_text(str(pid))
+        if pid:  # none for a task that could not start: a pid file never says 0 (a kill of group 0 is our own)
+            (d / "pid").write_text(str(pid))
         (d / "started").write_text(str(time.time()))
         t = Task(order.job_id, attempt, task, d, pid, traceparent=current_traceparent())
         self.tasks[t.key] = t
-        t.watched = notify_on_exit(pid, self.exited)  # the reaper reports it at once, not at its next round
+        if pid:
+            t.watched = notify_on_exit(pid, self.exited)  # the reaper reports it at once, not at its next round
+        else:
+            self.exited.set()  # it could not start: its record says why
         log.info("event=task_started job=%s task=%d attempt=%d pid=%d user=%s uid=%d", order.job_id, task, attempt,
                  pid, user.name, user.uid)
         self.report_started(t)
@@ -475,7 +484,8 @@ class Agent:
             if t.reporting:
                 continue
             try:
-                self.report_exit(t)
+                if not self.report_exit(t, now):
+                    wait = min(wait, RECORD_POLL_S)
             except Exception:  # noqa: BLE001 - a full disk: the next round tries again
                 log.exception("event=task_report_failed job=%s task=%d", t.job_id, t.task)
                 wait = REAP_POLL_S
@@ -487,26 +497,33 @@ class Agent:
         return order is not None and not order.ended and bool(order.attempt) and (
             order.attempt != t.attempt or t.task not in order.tasks_on(self.node.node_id))
 
-    def report_exit(self, t: Task) -> None:
+    def report_exit(self, t: Task, now: float | None = None) -> bool:
+        """Queue the report of an ended task; False while its keeper has yet to write its exit record."""
         if self.superseded(t):
             (t.dir / "reported").write_text(json.dumps({"superseded": True}))
             self.tasks.pop(t.key, None)
             log.info("event=task_exit_superseded job=%s task=%d attempt=%d", t.job_id, t.task, t.attempt)
-            return
+            return True
         try:
-            result = read_exit(t.dir)
+            result = read_exit(t.dir) or self.record_orphan(t)
         except StateUnreadable as e:
             result = ExitRecord(None, None, f"lost: its exit record is unreadable ({e})")
         try:
             interrupted = read_state(t.dir, INTERRUPTED)
         except StateUnreadable:
             interrupted = None
+        if result is None and interrupted is None and not t.killed:
+            # the task's keeper writes its record when it reaps it, a moment after the pidfd woke us
+            now = time.monotonic() if now is None else now
+            t.record_due = t.record_due or now + RECORD_WAIT_S
+            if now < t.record_due:
+                return False
         if interrupted is not None and (result is None or result.code is None):
             result = ExitRecord(None, signal.SIGKILL, interrupted.strip()[:200] or "its node stopped")
         elif result is None and t.killed:
             result = ExitRecord(None, signal.SIGKILL, "killed when its grace period ended")
         elif result is None:
-            result = ExitRecord(None, None, "lost: the task vanished while its agent was down")
+            result = ExitRecord(None, None, "lost: it ended with no exit record (its keeper was gone)")
         code, sig, reason = result.code, result.signal, result.reason
         was_interrupted = interrupted is not None and code is None
 
@@ -523,6 +540,16 @@ class Agent:
                 "gpuorch.job.id": t.job_id, "gpuorch.task": t.task, "gpuorch.attempt": t.attempt,
                 "gpuorch.node.id": self.node.node_id, "process.exit.code": -1 if code is None else code}):
             self.report(exited, f"{t.key}-{self.node.node_id}-exited", acked)
+        return True
+
+    def record_orphan(self, t: Task) -> ExitRecord | None:
+        """A task whose keeper died is this agent's child (a subreaper's orphan): reap it and record its exit."""
+        record = record_orphan(t.pid, str(t.dir / "exit.json")) if t.pid > 1 else None
+        if record is None:
+            return None  # its keeper's (which writes the record), or it ended before this agent started
+        log.warning("event=task_orphan_reaped job=%s task=%d attempt=%d: its keeper had died", t.job_id, t.task,
+                    t.attempt)
+        return ExitRecord(record.get("code"), record.get("signal"), "")
 
     # --- the control plane's requests --------------------------------------------------------
 
@@ -617,6 +644,8 @@ async def run_agent(
     from shared.runtime import StopSignals, run_process
 
     signals = StopSignals()
+    if not become_subreaper():  # the tasks of a keeper that dies come to this process: their exits stay known
+        log.warning("event=no_subreaper node=%s: a task whose keeper dies is reported lost", node.node_id)
     agent = Agent(node, work_dir, nvml, heartbeat_s=heartbeat_s, telemetry_s=telemetry_s, user_map=user_map,
                   allow_root_tasks=allow_root_tasks)
     evlog = await EventLog.connect(nats_url, name=f"gpuorch-agent-{node.node_id}", ensure=False, user=user,

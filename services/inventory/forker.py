@@ -1,6 +1,7 @@
-"""The agent's side of its long-lived launcher (``launcher.py --serve``): one request per task, answered with the
-pid of the launcher it forked. Started on first use, started again if it died; a request that still fails
-falls back to a new interpreter per task, so a task never waits on the forker's health."""
+"""The agent's side of its task keeper (``launcher.py --serve``): one request per task, answered with the task's
+pid (0: it could not start, and its exit record says why). Started on first use, started again if it died; a
+request that still fails falls back to a launcher of its own (a new interpreter) for that task, so a task never
+waits on the keeper's health."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ class Forker:
         self.label = label  # shown in the process list: which agent's forker this is
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
-        self.strays: list[subprocess.Popen] = []  # launchers started without the forker: reaped once ended
+        self.strays: list[subprocess.Popen] = []  # launchers started without the keeper: reaped once ended
+        self.keepers: list[subprocess.Popen] = []  # closed keepers whose tasks still run: reaped once ended
 
     def launch(self, args: list[str], cwd: Path, stdout: int, stderr: int) -> int:
-        """Start ``launcher.py ARGS`` in ``cwd`` in a session of its own, with these descriptors as its output;
-        its pid. The caller keeps (and closes) its descriptors."""
+        """Start the task of ``launcher.py ARGS`` in a session of its own, with these descriptors as its output: the
+        pid that leads its process group (the task's, or its own launcher's), 0 if it ended before it started (its
+        exit record is written). The caller keeps (and closes) its descriptors."""
         for attempt in range(2):
             try:
                 return self._request(args, cwd, stdout, stderr)
@@ -57,7 +60,7 @@ class Forker:
         self.close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            # its own session: a terminal's Ctrl-C reaches the agent, which closes the socket, and not the forker
+            # its own session: a terminal's Ctrl-C reaches the agent, which closes the socket, and not the keeper
             self.proc = subprocess.Popen([*PYTHON, "--serve", str(theirs.fileno()), self.label], pass_fds=[theirs.fileno()],
                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
@@ -66,14 +69,10 @@ class Forker:
         self.sock = ours
 
     def close(self) -> None:
-        """End the forker (the launchers it started run on)."""
+        """Close the keeper: it serves no more and ends once the tasks it started have ended (they run on)."""
         if self.sock is not None:
             self.sock.close()
             self.sock = None
         if self.proc is not None:
-            try:
-                self.proc.wait(2)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.keepers = [p for p in self.keepers if p.poll() is None] + [self.proc]  # reaped once they end
             self.proc = None

@@ -1,30 +1,35 @@
-"""Run one task and record how it ended.
+"""Run tasks and record how each ended.
 
     python -I launcher.py [--cwd DIR] [--env-file FILE] [--uid UID --gid GID [--groups G,...]] EXIT_FILE -- CMD...
     python -I launcher.py --serve FD [LABEL]
 
-The second form is the agent's long-lived launcher (``forker.Forker`` starts it): it reads requests, each the
-first form's arguments, a working directory and two descriptors (the task's stdout and stderr), on the
-SOCK_SEQPACKET socket FD, and forks one launcher per request, which then runs exactly as the first form. A fork
-of this small process costs well under a millisecond, a new interpreter tens of them (bench.e2e: the largest CPU
-cost of a short job). It ends when the agent closes the socket (or dies); the launchers it forked run on. LABEL
-is not read: it names the agent in the process list.
+The second form is the agent's task keeper (``forker.Forker`` starts it, one per agent): it reads requests, each
+the first form's arguments, a working directory and two descriptors (the task's stdout and stderr), on the
+SOCK_SEQPACKET socket FD, starts each task as its own child and writes each task's EXIT_FILE when it reaps it.
+One long-lived parent for every task costs a task its own fork and exec and nothing else: a per-task Python
+launcher, forked or started afresh, cost 4-6 ms of CPU a task, mostly in page faults (bench.e2e: the largest CPU
+cost of a short job). LABEL is not read: it names the agent in the process list. The first form is one task's
+launcher, for an agent whose keeper cannot serve: it runs CMD as its child and records its exit.
 
-The agent starts this wrapper in a new session, so a task outlives an agent that is killed, and a
-restarted agent can re-adopt it by its pid and read its exit from the file. The wrapper runs as the
-agent (so it can write EXIT_FILE where the task cannot) with the agent's environment; only CMD runs as
---uid/--gid with exactly --groups as its supplementary groups, in --cwd, with the environment read from
---env-file (removed once read: a job's secrets do not stay on disk, and none of its variables, such as
-LD_PRELOAD, ever reach this root process). CMD stays in the wrapper's process group: a stop is a SIGTERM,
-then a SIGKILL, to the whole group, so it gets both; the wrapper itself waits for it. A task that moves
-itself to another group or session escapes those signals (containing it needs a cgroup per task).
+Either runs in a session of its own, so a task outlives an agent that is killed, and a restarted agent
+re-adopts it by its pid and reads its exit from the file. The keeper ends only when the agent is gone and its
+last child has ended. If the keeper itself is killed, its tasks run on and the agent, a child subreaper,
+inherits them and records their exits (``agent.Agent``). The keeper and the launcher run as the agent (so they
+can write EXIT_FILE where the task cannot) with the agent's environment; only CMD runs as --uid/--gid with
+exactly --groups as its supplementary groups, in --cwd, with the environment read from --env-file (removed once
+read: a job's secrets do not stay on disk, and none of its variables, such as LD_PRELOAD, ever reach this root
+process). CMD leads its own process group (keeper) or stays in the launcher's: a stop is a SIGTERM, then a
+SIGKILL, to the whole group. A task that moves itself to another group or session escapes those signals
+(containing it needs a cgroup per task).
 Standard library only: it starts in milliseconds.
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -81,105 +86,164 @@ def main(argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace, cmd: list[str]) -> int:
-    switch = args.uid is not None
+    """The standalone launcher: the task as its child, in this process's session; its exit recorded."""
     try:
         env = read_env(args.env_file) if args.env_file else None
+        switch = args.uid is not None
         child = subprocess.Popen(cmd, cwd=args.cwd, env=env, user=args.uid, group=args.gid,
                                  extra_groups=args.groups if switch else None)
     except (OSError, ValueError) as e:
-        why = e.strerror if isinstance(e, OSError) else str(e)
-        print(f"gpuorch: cannot start {cmd[0]!r}: {why}", file=sys.stderr)
-        result = {"code": 127 if isinstance(e, FileNotFoundError) else 126, "reason": f"cannot start {cmd[0]}: {why}"}
+        print(f"gpuorch: cannot start {cmd[0]!r}: {_why(e)}", file=sys.stderr)
+        result = _refusal(cmd, e)
     else:
         signal.signal(signal.SIGTERM, lambda *_: None)  # the group got it: wait for the task to exit
         rc = child.wait()
         result = {"code": rc} if rc >= 0 else {"signal": -rc}
-    tmp = args.exit_file + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, args.exit_file)
+    _record(args.exit_file, result)
     return 0
 
 
 def serve(fd: int) -> int:
-    """Fork a launcher per request on the socket ``fd``; answer each with the launcher's pid (``pid N``) once it
-    leads its own session, or with ``error WHY``. Launchers are reaped as they end (the agent watches them by pid),
-    so that their CPU time counts as this process's children's, as a new interpreter's did as the agent's."""
-    signal.signal(signal.SIGCHLD, _reap)
+    """Start a task per request on the socket ``fd`` and record how each ends; answer each with the task's pid
+    (``pid N``: it leads its own session, so a stop signalled to its group reaches it), with ``pid 0`` when it could
+    not start (its record says why), or with ``error WHY``. The tasks are this process's children: it reaps them and
+    writes their records, in its main loop (a signal handler's reap could race a start). It also reaps whatever a
+    task orphans (a child subreaper). Once the agent closes the socket it serves no more, and ends when no child
+    is left."""
+    become_subreaper()
+    wake_r, wake_w = os.pipe()
+    for f in (wake_r, wake_w):
+        os.set_blocking(f, False)
+    signal.set_wakeup_fd(wake_w)  # SIGCHLD wakes the select below
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     sock = socket.socket(fileno=fd)
-    while True:
-        try:
-            body, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
-        except OSError:
-            return 0
-        if not body:
-            return 0  # the agent is gone: what was started runs on
-        try:
-            if len(fds) != 2:
-                raise ValueError(f"a request carries stdout and stderr, not {len(fds)} descriptors")
-            req = json.loads(body)
-            # parsed here, not in the fork: argparse's first parse in a fresh fork cost 5 ms of its CPU (lazy
-            # imports, regexes, copied pages), most of a short task's launch
-            parsed = parse(list(req["argv"]))
-            ready_r, ready_w = os.pipe()
-            pid = os.fork()
-        except SystemExit as e:  # parse() refused the arguments, and said why on stderr
-            for f in fds:
-                os.close(f)
-            sock.send(f"error bad launcher arguments (exit {e.code})".encode())
-            continue
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            for f in fds:
-                os.close(f)
-            sock.send(f"error {e}".encode())
-            continue
-        if pid == 0:
-            os.close(ready_r)
-            _launch_forked(sock, fds, req["cwd"], parsed, ready_w)
-        for f in (*fds, ready_w):
-            os.close(f)
-        os.read(ready_r, 1)  # its session exists (or it died): a stop signalled to its group from now on reaches it
-        os.close(ready_r)
-        sock.send(f"pid {pid}".encode())
+    running: dict[int, tuple[subprocess.Popen, str]] = {}
+    serving = True
+    while serving or _reap(running):
+        ready = select.select([sock, wake_r] if serving else [wake_r], [], [], None if serving else 1.0)[0]
+        if wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
+        _reap(running)
+        if serving and sock in ready:
+            serving = _serve_one(sock, running)
+    return 0
 
 
-def _reap(*_: object) -> None:
-    while True:
-        try:
-            pid, _status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def _launch_forked(sock: socket.socket, fds: list[int], cwd: str, parsed: tuple[argparse.Namespace, list[str]],
-                   ready: int) -> None:
-    """In the fork: become the task's launcher (its own session, the task's logs as stdout and stderr, its
-    directory), as if started by the agent, then exit. The socket is closed first: no task can ask for another."""
-    code = 1
+def _serve_one(sock: socket.socket, running: dict[int, tuple[subprocess.Popen, str]]) -> bool:
+    """One request: start its task and answer; False once the agent is gone."""
     try:
-        sock.close()
-        os.setsid()
-        os.close(ready)
-        null = os.open(os.devnull, os.O_RDONLY)
-        for target, f in ((0, null), (1, fds[0]), (2, fds[1])):
-            os.dup2(f, target)
-            os.close(f)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the launcher waits for its task
-        os.chdir(cwd)
-        code = run(*parsed)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 2
-    except BaseException:  # noqa: BLE001 - the fork never returns into the serving loop
-        traceback.print_exc()
+        body, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+    except InterruptedError:
+        return True
+    except OSError:
+        return False
+    if not body:
+        return False  # the agent is gone: what was started runs on, and is still recorded here
+    try:
+        if len(fds) != 2:
+            raise ValueError(f"a request carries stdout and stderr, not {len(fds)} descriptors")
+        req = json.loads(body)
+        args, cmd = parse(list(req["argv"]))
+        cwd = args.cwd or str(req["cwd"])
+    except SystemExit as e:  # parse() refused the arguments, and said why on stderr
+        _close(fds)
+        sock.send(f"error bad launcher arguments (exit {e.code})".encode())
+        return True
+    except (ValueError, KeyError, TypeError) as e:
+        _close(fds)
+        sock.send(f"error {e}".encode())
+        return True
+    try:
+        proc = start(args, cmd, cwd, fds[0], fds[1])
+    except (OSError, ValueError) as e:
+        with contextlib.suppress(OSError):
+            os.write(fds[1], f"gpuorch: cannot start {cmd[0]!r}: {_why(e)}\n".encode())
+        reply = "pid 0" if _record(args.exit_file, _refusal(cmd, e)) else f"error cannot record {args.exit_file}"
+        sock.send(reply.encode())
+        return True
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - nothing left to tell
-                pass
-        os._exit(code)
+        _close(fds)
+    running[proc.pid] = (proc, args.exit_file)
+    sock.send(f"pid {proc.pid}".encode())
+    return True
+
+
+def start(args: argparse.Namespace, cmd: list[str], cwd: str, stdout: int, stderr: int) -> subprocess.Popen:
+    """The task, in a session of its own, as --uid/--gid with exactly --groups, with the environment of --env-file."""
+    switch = args.uid is not None
+    env = read_env(args.env_file) if args.env_file else None
+    return subprocess.Popen(cmd, cwd=cwd, env=env, user=args.uid, group=args.gid,
+                            extra_groups=args.groups if switch else None, stdin=subprocess.DEVNULL, stdout=stdout,
+                            stderr=stderr, start_new_session=True)
+
+
+def _reap(running: dict[int, tuple[subprocess.Popen, str]]) -> bool:
+    """Reap every child that ended and record the tasks among them; whether any child is left."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+        proc, exit_file = running.pop(pid, (None, ""))
+        if proc is None:
+            continue  # an orphan of some task, or a start that failed after its fork
+        rc = os.waitstatus_to_exitcode(status)
+        proc.returncode = rc  # reaped here: the Popen must not wait for it again
+        _record(exit_file, {"code": rc} if rc >= 0 else {"signal": -rc})
+
+
+def record_orphan(pid: int, exit_file: str) -> dict | None:
+    """For a subreaper that inherited the task ``pid`` from a keeper that died: reap it if it ended and record its
+    exit; the record, or None (still running, or not this process's child)."""
+    try:
+        got, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    if got == 0:
+        return None
+    rc = os.waitstatus_to_exitcode(status)
+    result = {"code": rc} if rc >= 0 else {"signal": -rc}
+    _record(exit_file, result)
+    return result
+
+
+def _record(exit_file: str, result: dict) -> bool:
+    tmp = exit_file + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, exit_file)
+    except OSError:
+        traceback.print_exc()
+        return False
+    return True
+
+
+def _why(e: Exception) -> str:
+    return (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+
+
+def _refusal(cmd: list[str], e: Exception) -> dict:
+    return {"code": 127 if isinstance(e, FileNotFoundError) else 126, "reason": f"cannot start {cmd[0]}: {_why(e)}"}
+
+
+def _close(fds: list[int]) -> None:
+    for f in fds:
+        with contextlib.suppress(OSError):
+            os.close(f)
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux's PR_SET_CHILD_SUBREAPER); False elsewhere."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The agent's long-lived launcher (bench.e2e: a new interpreter per task was the largest CPU cost of a short job):
-what it forks behaves as a launcher started afresh, and a task can neither reach it nor die with it."""
+"""The agent's task keeper (bench.e2e: a launcher per task, forked or a new interpreter, was the largest CPU cost of a
+short job): it starts each task as its child and records its exit as a launcher of the task's own would, and a task
+can neither reach it nor die with it; the exits of a dead keeper's tasks are recorded by the agent (a subreaper)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -57,7 +60,7 @@ def gone(pid: int) -> bool:
     return False
 
 
-def test_a_forked_launcher_runs_its_task_in_a_session_of_its_own_and_records_its_exit(forker, tmp_path):
+def test_the_keeper_runs_a_task_in_a_session_of_its_own_and_records_its_exit(forker, tmp_path):
     pid = launch(forker, tmp_path, "sh", "-c", "echo out; echo err >&2; exit 3")
     assert exit_record(tmp_path) == {"code": 3}
     assert (tmp_path / "stdout.log").read_text() == "out\n"
@@ -71,7 +74,7 @@ def test_a_task_that_cannot_start_is_recorded_as_the_shell_would(forker, tmp_pat
     assert "cannot start '/no/such/program'" in (tmp_path / "stderr.log").read_text()
 
 
-def test_the_launcher_leads_its_own_session_and_holds_no_socket_of_the_forker(forker, tmp_path):
+def test_a_task_leads_its_own_session_and_holds_no_socket_of_its_keeper(forker, tmp_path):
     pid = launch(forker, tmp_path, "sleep", "30")
     try:
         assert os.getsid(pid) == pid and os.getpgid(pid) == pid, "a stop signals the task's whole group"
@@ -80,36 +83,67 @@ def test_the_launcher_leads_its_own_session_and_holds_no_socket_of_the_forker(fo
             with contextlib.suppress(FileNotFoundError):  # closed meanwhile: it still sets up its descriptors
                 if stat.S_ISSOCK(os.stat(f"/proc/{pid}/fd/{f}").st_mode):
                     sockets.append(int(f))
-        assert sockets == [], "a launcher (root) that kept the forker's socket could ask it for more"
+        assert sockets == [], "a task that kept its keeper's socket could ask it (root) for more"
     finally:
         os.killpg(pid, signal.SIGKILL)
 
 
-def test_tasks_outlive_their_forker_and_a_new_one_serves_the_next_task(forker, tmp_path):
+ORPHANED = """
+import json, os, signal, sys, time
+from pathlib import Path
+from services.inventory.forker import Forker
+from services.inventory.launcher import become_subreaper, record_orphan
+assert become_subreaper()
+d = Path(sys.argv[1])
+forker = Forker("orphans")
+out = os.open(d / "stdout.log", os.O_WRONLY | os.O_CREAT, 0o600)
+pid = forker.launch([str(d / "exit.json"), "--", "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 7"], d, out, out)
+os.kill(forker.proc.pid, signal.SIGKILL)  # as the OOM killer would
+forker.proc.wait()
+print(pid, flush=True)
+deadline = time.monotonic() + 20
+while (record := record_orphan(pid, str(d / "exit.json"))) is None and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(json.dumps(record), flush=True)
+"""
+
+
+def test_tasks_outlive_their_keeper_and_its_subreaper_records_their_exits(forker, tmp_path):
+    """The agent is a child subreaper (run_agent): a task whose keeper was killed runs on, becomes the agent's
+    child, and the agent records its exit. A new keeper serves the next task."""
     first, second = tmp_path / "a", tmp_path / "b"
     first.mkdir()
     second.mkdir()
-    pid = launch(forker, first, "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 7")
+    agent = subprocess.Popen([sys.executable, "-c", ORPHANED, str(first)], stdout=subprocess.PIPE, text=True)
     try:
-        assert forker.proc is not None
-        os.kill(forker.proc.pid, signal.SIGKILL)  # as the OOM killer would
-        forker.proc.wait()
+        pid = int(agent.stdout.readline())
         assert not gone(pid), "the task runs on"
+        assert not (first / "exit.json").exists()
         launch(forker, second, "true")
-        assert exit_record(second) == {"code": 0}, "a new forker started the next task"
+        assert exit_record(second) == {"code": 0}, "a new keeper started the next task"
         (first / "go").touch()
-        assert exit_record(first) == {"code": 7}, "its launcher still recorded how it ended"
+        assert json.loads(agent.stdout.readline()) == {"code": 7}
+        assert exit_record(first) == {"code": 7}, "its subreaper recorded how it ended"
+        assert agent.wait(10) == 0
     finally:
-        with contextlib.suppress(ProcessLookupError):
+        agent.kill()
+        agent.wait()
+        with contextlib.suppress(ProcessLookupError, NameError):
             os.killpg(pid, signal.SIGKILL)
 
 
-def test_the_forker_ends_when_its_agent_closes_it(forker, tmp_path):
-    launch(forker, tmp_path, "true")
+def test_the_keeper_ends_when_its_agent_closes_it_and_its_tasks_have_ended(forker, tmp_path):
+    """An agent that dies (the kernel closes its end) leaves its keeper to record its running tasks' exits."""
+    pid = launch(forker, tmp_path, "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 2")
     assert forker.proc is not None
     proc = forker.proc
-    forker.sock.close()  # the agent died: the kernel closes its end
-    assert proc.wait(5) == 0
+    forker.sock.close()
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.5)  # a task still runs: the keeper stays to record it
+    (tmp_path / "go").touch()
+    assert exit_record(tmp_path) == {"code": 2}
+    assert proc.wait(5) == 0, "then it ends"
+    assert gone(pid)
 
 
 def test_a_malformed_request_is_answered_and_the_forker_serves_on(forker, tmp_path):
@@ -124,7 +158,7 @@ def test_a_malformed_request_is_answered_and_the_forker_serves_on(forker, tmp_pa
     assert exit_record(tmp_path) == {"code": 0}
 
 
-async def test_the_reaper_hears_of_a_forked_launchers_exit(forker, tmp_path):
+async def test_the_reaper_hears_of_a_keepers_tasks_exit(forker, tmp_path):
     exited = asyncio.Event()
     pid = launch(forker, tmp_path, "sleep", "0.2")
     assert notify_on_exit(pid, exited), "a pidfd watches a process that is not the agent's child too"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.inventory.agent import REAP_IDLE_S, Agent, Task, notify_on_exit
+from services.inventory.agent import RECORD_WAIT_S, REAP_IDLE_S, Agent, Task, notify_on_exit
 from shared import events as ev
 from shared.aio import wait_event
 from shared.profiles import build
@@ -120,6 +120,48 @@ async def test_a_rested_reaper_still_reports_an_exit_kills_at_the_end_of_a_grace
         while not t3.reporting and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert t3.reporting, "a refusal is reported at once"
+    finally:
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+
+
+async def test_an_exit_whose_record_lags_is_reported_with_its_code_and_one_never_recorded_as_lost(tmp_path: Path) -> None:
+    """A task's keeper writes its exit record when it reaps it, a moment after the task's pidfd woke the reaper:
+    the reaper looks again soon (RECORD_POLL_S) and reports the code, not 'lost'; a record that never comes is
+    reported lost after RECORD_WAIT_S."""
+    agent = _agent(tmp_path)
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # gone, and no record yet (its keeper would write it)
+    t = _task(tmp_path, ended, watched=True)
+    agent.tasks[t.key] = t
+    reaper = asyncio.create_task(agent._reap_rounds())
+    try:
+        await asyncio.sleep(0.05)
+        assert not t.reporting, "no record yet: nothing reported"
+        (t.dir / "exit.json").write_text('{"code": 5}')
+        deadline = time.monotonic() + REAP_IDLE_S / 2
+        while not t.reporting and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert t.reporting, "the record was read at the next short round, not the idle one"
+        [report] = [r for r in agent.outbox.pending.values() if r.env.data.TYPE == ev.JobTaskExited.TYPE]
+        assert report.env.data.code == 5 and not report.env.data.reason
+
+        never = subprocess.Popen(["true"])
+        never.wait()
+        d2 = tmp_path / "never"
+        d2.mkdir()
+        t2 = Task("j2", 1, 0, d2, never.pid, watched=True)
+        agent.tasks[t2.key] = t2
+        agent.exited.set()
+        await asyncio.sleep(RECORD_WAIT_S / 2)
+        assert not t2.reporting
+        deadline = time.monotonic() + RECORD_WAIT_S + 1
+        while not t2.reporting and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        [lost] = [r for r in agent.outbox.pending.values() if r.env.data.TYPE == ev.JobTaskExited.TYPE
+                  and r.env.data.job_id == "j2"]
+        assert lost.env.data.code is None and "lost" in lost.env.data.reason
     finally:
         reaper.cancel()
         with contextlib.suppress(asyncio.CancelledError):

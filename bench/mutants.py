@@ -124,7 +124,8 @@ RULES: dict[str, Rule] = {
     "agents read their own node": Rule("an agent's bus permissions let it follow its own node's work, neither "
                                        "another node's nor the log", ("tests/inventory/test_work.py",)),
     "no task reaches the forker": Rule("a task keeps no socket of its keeper, and leads its own session before its "
-                                       "pid is answered", ("tests/inventory/test_forker.py",)),
+                                       "pid is answered; the agent awaits the answer without blocking its loop",
+                                       ("tests/inventory/test_forker.py",)),
     "every exit recorded": Rule("a task's keeper records its exit; a subreaper agent records the exit of a task whose "
                                 "keeper died; a record that lags the exit is waited for, not reported lost",
                                 ("tests/inventory/test_forker.py", "tests/inventory/test_reaper_wake.py")),
@@ -419,6 +420,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "    _record(exit_file, result)\n    return result", "    return None"),
     M("keeper-leaves-with-its-agent", "every exit recorded", "services/inventory/launcher.py",
       "    while serving or _reap(running):", "    while serving:"),
+    M("the-agent-blocks-on-its-keeper", "no task reaches the forker", "services/inventory/forker.py",
+      "return _answer(await self._recv())", "return _answer(self.sock.recv(4096))"),
     M("a-lagging-record-reported-lost", "every exit recorded", "services/inventory/agent.py",
       "            if now < t.record_due:", "            if False:"),
     M("folds-run-under-a-reader", "no fold under a reader", "shared/runtime.py",

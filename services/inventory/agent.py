@@ -46,7 +46,7 @@ from services.inventory.outbox import Outbox, Report
 from services.inventory.runas import RunAs, RunAsRefused, UserMap, agent_account, resolve
 from services.inventory.taskdir import (ExitRecord, LogNotFound, StateUnreadable, make_task_dir, make_workspace,
                                         open_log, read_exit, read_pid, read_state, read_task_log, untraversable,
-                                        valid_job_id, write_env)
+                                        valid_job_id)
 from services.inventory.taskenv import base_env, task_env
 from services.inventory.work import NODE_NOTICE, STORED, NodeNotice, WorkOrder, node_work
 from shared import events as ev
@@ -171,6 +171,7 @@ class Agent:
     # --- registration, heartbeat, telemetry -------------------------------------------------
 
     async def register_and_adopt(self, svc: Service) -> None:
+        self.forker.ready()  # the task keeper starts now, not when the first task waits for it
         self.report(ev.NodeRegistered(node_id=self.node.node_id, node=self.node))
         log.info("event=registered node=%s gpus=%d", self.node.node_id, len(self.node.gpus))
         if self.switch_user and (closed := untraversable(self.work_dir)):
@@ -347,13 +348,13 @@ class Agent:
         base = base_env(home, user.name, os.path.dirname(sys.executable))
         env = task_env(order.job_id, attempt, order.placements, task, order.addresses,
                        {**spec.env, **spec.secret_env}, base, spec=spec)
-        args = ["--cwd", str(home), "--env-file", str(write_env(d, env))]
+        args = ["--cwd", str(home)]
         if self.switch_user:
             args += ["--uid", str(user.uid), "--gid", str(user.gid), "--groups", ",".join(map(str, user.groups))]
         command = list(spec.command) or ["true"]
         out, err = open_log(d, "stdout"), open_log(d, "stderr")
         try:
-            pid = self.forker.launch([*args, str(d / "exit.json"), "--", *command], d, out, err)
+            pid = await self.forker.launch_async([*args, str(d / "exit.json"), "--", *command], d, out, err, env)
         finally:
             os.close(out)
             os.close(err)

@@ -4,8 +4,8 @@
     python -I launcher.py --serve FD [LABEL]
 
 The second form is the agent's task keeper (``forker.Forker`` starts it, one per agent): it reads requests, each
-the first form's arguments, a working directory and two descriptors (the task's stdout and stderr), on the
-SOCK_SEQPACKET socket FD, starts each task as its own child and writes each task's EXIT_FILE when it reaps it.
+the first form's arguments, a working directory, the task's environment (in the request: a job's secrets never
+touch the disk) and two descriptors (the task's stdout and stderr), on the SOCK_SEQPACKET socket FD, starts each task as its own child and writes each task's EXIT_FILE when it reaps it.
 One long-lived parent for every task costs a task its own fork and exec and nothing else: a per-task Python
 launcher, forked or started afresh, cost 4-6 ms of CPU a task, mostly in page faults (bench.e2e: the largest CPU
 cost of a short job). LABEL is not read: it names the agent in the process list. The first form is one task's
@@ -76,8 +76,12 @@ def read_env(path: str) -> dict[str, str]:
     with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as f:
         env = json.load(f)
     os.unlink(path)
+    return checked_env(env, path)
+
+
+def checked_env(env: object, where: str) -> dict[str, str]:
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        raise ValueError(f"{path}: not a mapping of strings")
+        raise ValueError(f"{where}: not a mapping of strings")
     return env
 
 
@@ -155,7 +159,8 @@ def _serve_one(sock: socket.socket, running: dict[int, tuple[subprocess.Popen, s
         sock.send(f"error {e}".encode())
         return True
     try:
-        proc = start(args, cmd, cwd, fds[0], fds[1])
+        env = checked_env(req["env"], "the request's env") if "env" in req else None
+        proc = start(args, cmd, cwd, fds[0], fds[1], env)
     except (OSError, ValueError) as e:
         with contextlib.suppress(OSError):
             os.write(fds[1], f"gpuorch: cannot start {cmd[0]!r}: {_why(e)}\n".encode())
@@ -169,10 +174,13 @@ def _serve_one(sock: socket.socket, running: dict[int, tuple[subprocess.Popen, s
     return True
 
 
-def start(args: argparse.Namespace, cmd: list[str], cwd: str, stdout: int, stderr: int) -> subprocess.Popen:
-    """The task, in a session of its own, as --uid/--gid with exactly --groups, with the environment of --env-file."""
+def start(args: argparse.Namespace, cmd: list[str], cwd: str, stdout: int, stderr: int,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The task, in a session of its own, as --uid/--gid with exactly --groups, with ``env`` (the request's: it never
+    touches the disk) or else the environment of --env-file."""
     switch = args.uid is not None
-    env = read_env(args.env_file) if args.env_file else None
+    if env is None and args.env_file:
+        env = read_env(args.env_file)
     return subprocess.Popen(cmd, cwd=cwd, env=env, user=args.uid, group=args.gid,
                             extra_groups=args.groups if switch else None, stdin=subprocess.DEVNULL, stdout=stdout,
                             stderr=stderr, start_new_session=True)

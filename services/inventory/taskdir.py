@@ -2,9 +2,10 @@
 
     <work_dir>/jobs/<job>/<attempt>/      0711, the agent's: traversable, not listable
       <task>/                            0711, the agent's
-        stdout.log  stderr.log           0600, opened here and handed to the launcher as its stdout/stderr
-        env.json                         0600, the task's environment: the launcher reads and removes it
-        pid  started  exit.json  reported   the agent's and its launcher's records
+        stdout.log  stderr.log           0600, opened here and handed to the task's keeper as its stdout/stderr
+        env.json                         0600, only for a task started without the keeper (its environment goes in
+                                         the keeper's request): its own launcher reads and removes it
+        pid  started  exit.json  reported   the agent's and its keeper's (or launcher's) records
         interrupted                      the agent's: its node stopped under the task (the reason)
         work/                            0700, the task's owner's: its cwd and HOME
           tmp/                           0700, its TMPDIR

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from services.inventory.agent import notify_on_exit
-from services.inventory.forker import Forker
+from services.inventory.forker import Forker, _answer
 from shared.aio import wait_event
 
 
@@ -30,14 +30,20 @@ def forker():
     f.close()
 
 
-def launch(forker: Forker, d: Path, *command: str) -> int:
+def launch(forker: Forker, d: Path, *command: str, env: dict[str, str] | None = None) -> int:
     out = os.open(d / "stdout.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     err = os.open(d / "stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        return forker.launch([str(d / "exit.json"), "--", *command], d, out, err)
+        return forker.launch([str(d / "exit.json"), "--", *command], d, out, err, env)
     finally:
         os.close(out)
         os.close(err)
+
+
+def request(forker: Forker, args: list[str], d: Path, out: int) -> int:
+    """One request as the agent sends it, without launch's retries and fallback."""
+    forker._send(args, d, out, out)
+    return _answer(forker.sock.recv(4096))
 
 
 def until(check, timeout: float = 10.0):
@@ -91,7 +97,7 @@ def test_a_task_leads_its_own_session_and_holds_no_socket_of_its_keeper(forker, 
 ORPHANED = """
 import json, os, signal, sys, time
 from pathlib import Path
-from services.inventory.forker import Forker
+from services.inventory.forker import Forker, _answer
 from services.inventory.launcher import become_subreaper, record_orphan
 assert become_subreaper()
 d = Path(sys.argv[1])
@@ -169,9 +175,11 @@ async def test_the_reaper_hears_of_a_keepers_tasks_exit(forker, tmp_path):
 def test_a_forker_that_cannot_serve_falls_back_to_a_launcher_of_its_own(forker, tmp_path, monkeypatch):
     def broken(*_a):
         raise OSError("no forker here")
-    monkeypatch.setattr(forker, "_request", broken)
-    pid = launch(forker, tmp_path, "sh", "-c", "exit 4")
+    monkeypatch.setattr(forker, "_send", broken)
+    pid = launch(forker, tmp_path, "/bin/sh", "-c", 'echo "$SECRET"; exit 4', env={"SECRET": "s-1"})
     assert exit_record(tmp_path) == {"code": 4}, "the task still ran, and its exit was recorded"
+    assert (tmp_path / "stdout.log").read_text() == "s-1\n", "its environment went by a file its launcher read"
+    assert not (tmp_path / "env.json").exists(), "and removed"
     assert [p.pid for p in forker.strays] == [pid]
     until(lambda: forker.strays[0].poll() is not None)
     (tmp_path / "next").mkdir()
@@ -185,12 +193,59 @@ def test_the_forker_refuses_bad_arguments_before_it_forks(forker: Forker, tmp_pa
     out = os.open(tmp_path / "stdout.log", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         with pytest.raises(OSError, match="bad launcher arguments"):
-            forker._request(["--uid", "nobody", str(tmp_path / "exit.json"), "--", "true"], tmp_path, out, out)
+            request(forker, ["--uid", "nobody", str(tmp_path / "exit.json"), "--", "true"], tmp_path, out)
         with pytest.raises(OSError, match="bad launcher arguments"):
-            forker._request([str(tmp_path / "exit.json"), "--"], tmp_path, out, out)  # no command
+            request(forker, [str(tmp_path / "exit.json"), "--"], tmp_path, out)  # no command
     finally:
         os.close(out)
     assert not (tmp_path / "exit.json").exists() and forker.proc is not None and forker.proc.poll() is None
     launch(forker, tmp_path, "sh", "-c", "exit 3")
     until(lambda: (tmp_path / "exit.json").exists())
     assert json.loads((tmp_path / "exit.json").read_text()) == {"code": 3}
+
+
+async def test_an_agent_awaits_the_keepers_answer_without_blocking_its_loop(forker, tmp_path):
+    """launch_async: the event loop runs on while the keeper forks and execs (the agent reports other tasks
+    meanwhile); requests go one at a time, so each answer reaches its own request."""
+    forker.ready()
+    ticks = 0
+
+    async def ticking():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(ticking())
+    dirs = [tmp_path / str(i) for i in range(6)]
+    for d in dirs:
+        d.mkdir()
+    out = os.open(tmp_path / "out.log", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        pids = await asyncio.gather(*(forker.launch_async([str(d / "exit.json"), "--", "sh", "-c", f"exit {i}"], d,
+                                                          out, out) for i, d in enumerate(dirs)))
+    finally:
+        os.close(out)
+        ticker.cancel()
+    assert ticks > 100, f"the loop ran while the keeper answered ({ticks} rounds)"
+    assert len(set(pids)) == len(dirs) and all(p > 1 for p in pids)
+    assert [exit_record(d) for d in dirs] == [{"code": i} for i in range(len(dirs))], "each task its own command"
+
+
+def test_a_tasks_environment_goes_in_the_request_and_never_touches_the_disk(forker, tmp_path):
+    launch(forker, tmp_path, "/bin/sh", "-c", 'echo "$SECRET $HOME"', env={"SECRET": "s-1", "HOME": "/h"})
+    assert exit_record(tmp_path) == {"code": 0}
+    assert (tmp_path / "stdout.log").read_text() == "s-1 /h\n"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["exit.json", "stderr.log", "stdout.log"]
+    out = os.open(tmp_path / "x.log", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        forker._send([str(tmp_path / "bad.json"), "--", "true"], tmp_path, out, out, {"A": 1})  # type: ignore[dict-item]
+        answer = _answer(forker.sock.recv(4096))
+    finally:
+        os.close(out)
+    assert answer == 0 and json.loads(exit_record_at(tmp_path / "bad.json"))["code"] == 126, \
+        "an environment that is not strings is refused, and recorded as a task that could not start"
+
+
+def exit_record_at(path: Path) -> str:
+    return until(lambda: path.exists() and path.read_text())

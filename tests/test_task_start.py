@@ -64,7 +64,7 @@ async def test_a_task_the_agent_cannot_set_up_fails_its_job_and_the_agent_goes_o
         agent = Agent(build_profile("t4-4x", "n1"), tmp_path / "agent", heartbeat_s=0.2, telemetry_s=60)
         async with running(agent.svc, eventlog):
             await nodes_up(client, 1)
-            monkeypatch.setattr(agent_module, "write_env", full_disk)
+            monkeypatch.setattr(agent_module, "open_log", full_disk)
             first = (await client.post("/v1/jobs", json={"name": "a", "command": ["true"]})).json()["id"]
             failed = await until(lambda: ended(client, first), 30, "the job to end")
             assert failed["state"] == "failed" and "No space left on device" in failed["reason"], failed["reason"]

@@ -21,6 +21,7 @@ LAUNCHER = str(Path(__file__).with_name("launcher.py"))
 # library), a third of an interpreter's start
 PYTHON = [sys.executable, "-I", "-S", LAUNCHER]
 REPLY_TIMEOUT_S = 5.0
+MAX_REQUEST_BYTES = 64 * 1024  # a request above this sends its task's environment by file (the keeper removes it)
 
 
 def _answer(reply_bytes: bytes) -> int:
@@ -81,8 +82,10 @@ class Forker:
         self.ready()
         if self.sock is None:
             raise OSError("no keeper")
-        request = {"argv": args, "cwd": str(cwd), **({"env": env} if env is not None else {})}
-        socket.send_fds(self.sock, [json.dumps(request).encode()], [stdout, stderr])
+        body = json.dumps({"argv": args, "cwd": str(cwd), **({"env": env} if env is not None else {})}).encode()
+        if len(body) > MAX_REQUEST_BYTES and env is not None:  # a datagram that large may not fit the socket's buffer
+            body = json.dumps({"argv": ["--env-file", str(write_env(cwd, env)), *args], "cwd": str(cwd)}).encode()
+        socket.send_fds(self.sock, [body], [stdout, stderr])
 
     async def _recv(self) -> bytes:
         assert self.sock is not None

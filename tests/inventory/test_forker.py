@@ -249,3 +249,12 @@ def test_a_tasks_environment_goes_in_the_request_and_never_touches_the_disk(fork
 
 def exit_record_at(path: Path) -> str:
     return until(lambda: path.exists() and path.read_text())
+
+
+def test_an_environment_too_large_for_one_request_goes_by_a_file_the_keeper_removes(forker, tmp_path):
+    big = "x" * 120_000  # a job may have 128 KiB of environment (MAX_ENV_BYTES)
+    launch(forker, tmp_path, "/bin/sh", "-c", 'printf %s "$BIG" | wc -c', env={"BIG": big})
+    assert exit_record(tmp_path) == {"code": 0}
+    assert (tmp_path / "stdout.log").read_text().strip() == "120000"
+    assert forker.strays == [], "the keeper started it"
+    assert not (tmp_path / "env.json").exists()

@@ -141,15 +141,19 @@ def test_tasks_outlive_their_keeper_and_its_subreaper_records_their_exits(forker
 def test_the_keeper_ends_when_its_agent_closes_it_and_its_tasks_have_ended(forker, tmp_path):
     """An agent that dies (the kernel closes its end) leaves its keeper to record its running tasks' exits."""
     pid = launch(forker, tmp_path, "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 2")
-    assert forker.proc is not None
-    proc = forker.proc
-    forker.sock.close()
-    with pytest.raises(subprocess.TimeoutExpired):
-        proc.wait(0.5)  # a task still runs: the keeper stays to record it
-    (tmp_path / "go").touch()
-    assert exit_record(tmp_path) == {"code": 2}
-    assert proc.wait(5) == 0, "then it ends"
-    assert gone(pid)
+    try:
+        assert forker.proc is not None
+        proc = forker.proc
+        forker.sock.close()
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.5)  # a task still runs: the keeper stays to record it
+        (tmp_path / "go").touch()
+        assert exit_record(tmp_path) == {"code": 2}
+        assert proc.wait(5) == 0, "then it ends"
+        assert until(lambda: gone(pid))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def test_a_malformed_request_is_answered_and_the_forker_serves_on(forker, tmp_path):

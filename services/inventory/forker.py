@@ -68,6 +68,9 @@ class Forker:
                     return _answer(await self._recv())
                 except OSError as e:
                     self._failed(attempt, e)
+                except asyncio.CancelledError:
+                    self.close()  # its answer, still to come, would reach the next request
+                    raise
             return self._stray(args, cwd, stdout, stderr, env)
 
     def ready(self) -> None:

@@ -5,7 +5,8 @@
 
 The second form is the agent's task keeper (``forker.Forker`` starts it, one per agent): it reads requests, each
 the first form's arguments, a working directory, the task's environment (in the request: a job's secrets never
-touch the disk) and two descriptors (the task's stdout and stderr), on the SOCK_SEQPACKET socket FD, starts each task as its own child and writes each task's EXIT_FILE when it reaps it.
+touch the disk) and two descriptors (the task's stdout and stderr), on the SOCK_SEQPACKET socket FD; it starts
+each task as its own child and writes the task's EXIT_FILE when it reaps it.
 One long-lived parent for every task costs a task its own fork and exec and nothing else: a per-task Python
 launcher, forked or started afresh, cost 4-6 ms of CPU a task, mostly in page faults (bench.e2e: the largest CPU
 cost of a short job). LABEL is not read: it names the agent in the process list. The first form is one task's
@@ -130,7 +131,11 @@ def serve(fd: int) -> int:
                 os.read(wake_r, 4096)
         _reap(running)
         if serving and sock in ready:
-            serving = _serve_one(sock, running)
+            try:
+                serving = _serve_one(sock, running)
+            except Exception:  # noqa: BLE001 - one request never takes down the keeper of the running tasks
+                traceback.print_exc()
+                serving = _reply(sock, "error the keeper failed on this request")
     return 0
 
 
@@ -152,25 +157,30 @@ def _serve_one(sock: socket.socket, running: dict[int, tuple[subprocess.Popen, s
         cwd = args.cwd or str(req["cwd"])
     except SystemExit as e:  # parse() refused the arguments, and said why on stderr
         _close(fds)
-        sock.send(f"error bad launcher arguments (exit {e.code})".encode())
-        return True
+        return _reply(sock, f"error bad launcher arguments (exit {e.code})")
     except (ValueError, KeyError, TypeError) as e:
         _close(fds)
-        sock.send(f"error {e}".encode())
-        return True
+        return _reply(sock, f"error {e}")
     try:
         env = checked_env(req["env"], "the request's env") if "env" in req else None
         proc = start(args, cmd, cwd, fds[0], fds[1], env)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError, subprocess.SubprocessError) as e:
         with contextlib.suppress(OSError):
             os.write(fds[1], f"gpuorch: cannot start {cmd[0]!r}: {_why(e)}\n".encode())
-        reply = "pid 0" if _record(args.exit_file, _refusal(cmd, e)) else f"error cannot record {args.exit_file}"
-        sock.send(reply.encode())
-        return True
+        return _reply(sock, "pid 0" if _record(args.exit_file, _refusal(cmd, e)) else
+                      f"error cannot record {args.exit_file}")
     finally:
         _close(fds)
     running[proc.pid] = (proc, args.exit_file)
-    sock.send(f"pid {proc.pid}".encode())
+    return _reply(sock, f"pid {proc.pid}")
+
+
+def _reply(sock: socket.socket, text: str) -> bool:
+    """Answer the agent; False if it is gone (it stopped while it waited): serve no more, record on."""
+    try:
+        sock.send(text.encode())
+    except OSError:
+        return False
     return True
 
 

@@ -262,3 +262,24 @@ def test_an_environment_too_large_for_one_request_goes_by_a_file_the_keeper_remo
     assert (tmp_path / "stdout.log").read_text().strip() == "120000"
     assert forker.strays == [], "the keeper started it"
     assert not (tmp_path / "env.json").exists()
+
+
+async def test_a_launch_cancelled_while_it_awaits_the_answer_leaves_no_answer_for_the_next(forker, tmp_path):
+    """An agent stopping mid-launch: the answer still to come must not be read as the next task's pid."""
+    forker.ready()
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    out = os.open(second / "stdout.log", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        pending = asyncio.create_task(forker.launch_async([str(first / "exit.json"), "--", "true"], first, out, out))
+        await asyncio.sleep(0)  # sent, awaiting the answer
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        pid = await forker.launch_async([str(second / "exit.json"), "--", "sh", "-c", "echo $$; exit 6"], second,
+                                        out, out)
+    finally:
+        os.close(out)
+    assert exit_record(second) == {"code": 6}
+    assert pid == int((second / "stdout.log").read_text()), "the answer is the second task's pid"

@@ -277,6 +277,7 @@ async def test_a_launch_cancelled_while_it_awaits_the_answer_leaves_no_answer_fo
         pending.cancel()
         with pytest.raises(asyncio.CancelledError):
             await pending
+        assert exit_record(first) == {"code": 0}, "its keeper started it and recorded it, though its agent left"
         pid = await forker.launch_async([str(second / "exit.json"), "--", "sh", "-c", "echo $$; exit 6"], second,
                                         out, out)
     finally:

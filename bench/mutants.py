@@ -415,7 +415,7 @@ MUTANTS: tuple[Mutant, ...] = (
     M("task-in-the-keepers-session", "no task reaches the forker", "services/inventory/launcher.py",
       "stderr=stderr, start_new_session=True)", "stderr=stderr, start_new_session=False)"),
     M("keeper-records-no-exit", "every exit recorded", "services/inventory/launcher.py",
-      '        _record(exit_file, {"code": rc} if rc >= 0 else {"signal": -rc})', "        pass"),
+      "        _record(exit_file, _result(proc.returncode))", "        pass"),
     M("orphans-not-recorded", "every exit recorded", "services/inventory/launcher.py",
       "    _record(exit_file, result)\n    return result", "    return None"),
     M("keeper-leaves-with-its-agent", "every exit recorded", "services/inventory/launcher.py",

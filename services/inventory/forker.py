@@ -43,24 +43,13 @@ class Forker:
         self.keepers: list[subprocess.Popen] = []  # closed keepers whose tasks still run: reaped once ended
         self._one = asyncio.Lock()  # one request on the socket at a time: answers come in order
 
-    def launch(self, args: list[str], cwd: Path, stdout: int, stderr: int, env: dict[str, str] | None = None) -> int:
+    async def launch_async(self, args: list[str], cwd: Path, stdout: int, stderr: int,
+                           env: dict[str, str] | None = None) -> int:
         """Start the task of ``launcher.py ARGS`` in a session of its own, with these descriptors as its output and
         ``env`` as its environment (else --env-file's, else the keeper's): the pid that leads its process group (the
         task's, or its own launcher's), 0 if it ended before it started (its exit record is written). The caller
-        keeps (and closes) its descriptors."""
-        for attempt in range(2):
-            try:
-                self._send(args, cwd, stdout, stderr, env)
-                assert self.sock is not None
-                return _answer(self.sock.recv(4096))
-            except OSError as e:
-                self._failed(attempt, e)
-        return self._stray(args, cwd, stdout, stderr, env)
-
-    async def launch_async(self, args: list[str], cwd: Path, stdout: int, stderr: int,
-                           env: dict[str, str] | None = None) -> int:
-        """``launch``, awaiting the keeper's answer instead of blocking the event loop (a fork and exec on a busy
-        machine: tens of milliseconds in which the agent reports other tasks). One request at a time."""
+        keeps (and closes) its descriptors. The keeper's answer is awaited, not blocked on (a fork and exec on a busy
+        machine: tens of milliseconds in which the agent reports other tasks); one request at a time."""
         async with self._one:
             for attempt in range(2):
                 try:

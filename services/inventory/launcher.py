@@ -102,8 +102,7 @@ def run(args: argparse.Namespace, cmd: list[str]) -> int:
         result = _refusal(cmd, e)
     else:
         signal.signal(signal.SIGTERM, lambda *_: None)  # the group got it: wait for the task to exit
-        rc = child.wait()
-        result = {"code": rc} if rc >= 0 else {"signal": -rc}
+        result = _result(child.wait())
     _record(args.exit_file, result)
     return 0
 
@@ -208,9 +207,8 @@ def _reap(running: dict[int, tuple[subprocess.Popen, str]]) -> bool:
         proc, exit_file = running.pop(pid, (None, ""))
         if proc is None:
             continue  # an orphan of some task, or a start that failed after its fork
-        rc = os.waitstatus_to_exitcode(status)
-        proc.returncode = rc  # reaped here: the Popen must not wait for it again
-        _record(exit_file, {"code": rc} if rc >= 0 else {"signal": -rc})
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: the Popen must not wait for it again
+        _record(exit_file, _result(proc.returncode))
 
 
 def record_orphan(pid: int, exit_file: str) -> dict | None:
@@ -222,10 +220,14 @@ def record_orphan(pid: int, exit_file: str) -> dict | None:
         return None
     if got == 0:
         return None
-    rc = os.waitstatus_to_exitcode(status)
-    result = {"code": rc} if rc >= 0 else {"signal": -rc}
+    result = _result(os.waitstatus_to_exitcode(status))
     _record(exit_file, result)
     return result
+
+
+def _result(returncode: int) -> dict:
+    """An exit record: the exit code, or the signal that ended it (a negative return code)."""
+    return {"code": returncode} if returncode >= 0 else {"signal": -returncode}
 
 
 def _record(exit_file: str, result: dict) -> bool:

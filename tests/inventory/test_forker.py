@@ -31,10 +31,14 @@ def forker():
 
 
 def launch(forker: Forker, d: Path, *command: str, env: dict[str, str] | None = None) -> int:
+    return asyncio.run(launched(forker, d, *command, env=env))
+
+
+async def launched(forker: Forker, d: Path, *command: str, env: dict[str, str] | None = None) -> int:
     out = os.open(d / "stdout.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     err = os.open(d / "stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        return forker.launch([str(d / "exit.json"), "--", *command], d, out, err, env)
+        return await forker.launch_async([str(d / "exit.json"), "--", *command], d, out, err, env)
     finally:
         os.close(out)
         os.close(err)
@@ -95,7 +99,7 @@ def test_a_task_leads_its_own_session_and_holds_no_socket_of_its_keeper(forker, 
 
 
 ORPHANED = """
-import json, os, signal, sys, time
+import asyncio, json, os, signal, sys, time
 from pathlib import Path
 from services.inventory.forker import Forker, _answer
 from services.inventory.launcher import become_subreaper, record_orphan
@@ -103,7 +107,7 @@ assert become_subreaper()
 d = Path(sys.argv[1])
 forker = Forker("orphans")
 out = os.open(d / "stdout.log", os.O_WRONLY | os.O_CREAT, 0o600)
-pid = forker.launch([str(d / "exit.json"), "--", "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 7"], d, out, out)
+pid = asyncio.run(forker.launch_async([str(d / "exit.json"), "--", "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 7"], d, out, out))
 os.kill(forker.proc.pid, signal.SIGKILL)  # as the OOM killer would
 forker.proc.wait()
 print(pid, flush=True)
@@ -170,7 +174,7 @@ def test_a_malformed_request_is_answered_and_the_forker_serves_on(forker, tmp_pa
 
 async def test_the_reaper_hears_of_a_keepers_tasks_exit(forker, tmp_path):
     exited = asyncio.Event()
-    pid = launch(forker, tmp_path, "sleep", "0.2")
+    pid = await launched(forker, tmp_path, "sleep", "0.2")
     assert notify_on_exit(pid, exited), "a pidfd watches a process that is not the agent's child too"
     assert await wait_event(exited, 10)
     assert exit_record(tmp_path) == {"code": 0}

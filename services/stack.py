@@ -23,6 +23,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -47,8 +48,8 @@ from shared.auth import Authenticator, authenticator_from_settings, ensure_admin
 from shared.eventlog import AGENT_STREAM, STREAM, EventLog
 from shared.metrics import merge_expositions
 from shared.natsauth import Credentials
-from shared.natsd import NatsServer, free_port, port_open
-from shared.runtime import (Metrics, Service, StopSignals, build_app, fold_once, http_server, run_process,
+from shared.natsd import NatsServer, free_port
+from shared.runtime import (Metrics, Service, StopSignals, build_app, fold_once, http_server, listen, run_process,
                             serve_until_signal)
 from shared.settings import Settings
 from shared.telemetry import current_traceparent, setup_logging, setup_tracing
@@ -183,6 +184,7 @@ class Run:
     nodes: list[tuple[str, int]] = field(default_factory=list)  # --nodes: what supervise_agents starts again
     creds: Credentials | None = None  # the agents' bus credentials (the embedded server's)
     stopping: bool = False  # the agents are being stopped: none is started again
+    api_socket: socket.socket | None = None  # the API's port, bound before anything else started
 
     def nats_restarted(self, server: NatsServer) -> None:
         self.stack_file.write(nats_pid=server.pid)
@@ -331,8 +333,7 @@ async def _serve_one_process(run: Run, names: tuple[str, ...]) -> None:
         auth = await api_auth(settings, evlog, bootstrap=True)
         await run_process(services, evlog, settings.host, settings.port,
                           [events_router(lambda: evlog), tokens_router(lambda: evlog), dashboard_router(lambda: evlog)],
-                          started, signals, auth=auth,
-                          before_stop=before_stop)
+                          started, signals, auth=auth, before_stop=before_stop, sock=run.api_socket)
     finally:
         for t in background:
             t.cancel()
@@ -349,13 +350,15 @@ def up(settings: Settings, split: bool = False) -> None:
     signals = ProcessSignals().install()  # first of all: a Ctrl-C from here on stops the stack in order
     setup_logging(settings.log_level)
     setup_tracing("gpuorch-gateway" if split else "gpuorch")
-    if port_open(settings.port, settings.host):
-        raise SystemExit(f"error: port {settings.port} is in use; pick another with --port")
-    with data_dir_lock(settings.data_dir):
-        _up_locked(settings, split, signals)
+    try:
+        sock = listen(settings.host, settings.port)  # now: what the stack connects to while it starts can't take it
+    except OSError as e:
+        raise SystemExit(f"error: port {settings.port} is in use; pick another with --port ({e.strerror})") from None
+    with sock, data_dir_lock(settings.data_dir):
+        _up_locked(settings.model_copy(update={"port": sock.getsockname()[1]}), split, signals, sock)
 
 
-def _up_locked(settings: Settings, split: bool, signals: ProcessSignals) -> None:
+def _up_locked(settings: Settings, split: bool, signals: ProcessSignals, sock: socket.socket) -> None:
     t0 = time.monotonic()
     nodes = parse_nodes(settings.nodes)
     creds = Credentials.of_data_dir(settings.data_dir)
@@ -369,7 +372,7 @@ def _up_locked(settings: Settings, split: bool, signals: ProcessSignals) -> None
     server = None if settings.nats_url else start_or_adopt_nats(settings, creds, previous)
     nats_url = server.url if server else settings.nats_url or ""
     run = Run(settings, nats_url, signals, StackFile(settings, nats_url, split), server, t0=t0, nodes=nodes,
-              creds=creds if server else None)
+              creds=creds if server else None, api_socket=sock)
     try:
         run.stack_file.write(nats_pid=server.pid if server else None)
         if not signals.requested:
@@ -427,7 +430,7 @@ def _run_split(run: Run) -> None:
     try:
         upstreams = {name: f"http://{settings.host}:{port}" for name, port in ports.items()}
         aio.run(serve_gateway(settings, nats_url, upstreams, _supervise(run, ports, procs), run.signals,
-                              lambda evlog: run.stop_agents(evlog, durable_of("scheduler", settings))))
+                              lambda evlog: run.stop_agents(evlog, durable_of("scheduler", settings)), run.api_socket))
     finally:
         stop_processes(procs.values())
 
@@ -471,6 +474,7 @@ def stop_processes(procs: Any, timeout: float = 10.0) -> None:
 async def serve_gateway(
     settings: Settings, nats_url: str, upstreams: dict[str, str], background: Coroutine[Any, Any, None] | None = None,
     process_signals: ProcessSignals | None = None, before_stop: Callable[[EventLog], Awaitable[None]] | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """The API on one port: the history API served here, every other path forwarded to its service.
     ``before_stop``: awaited once the API has stopped, while ``background`` (`up --split`: the supervisor) runs."""
@@ -565,7 +569,7 @@ async def serve_gateway(
         log.warning("event=forward_failed service=%s error=%r cause=%r", name, e, e.__cause__)
         return Response(json.dumps({"detail": f"service {name} unavailable: {e!r}"}), 503, media_type="application/json")
 
-    server = http_server(app, settings.host, settings.port)
+    server = http_server(app, settings.host, settings.port, sock)
     log.info("event=gateway_up api=http://%s:%d services=%s", settings.host, settings.port, upstreams)
     task = asyncio.create_task(background) if background is not None else None
     try:

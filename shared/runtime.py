@@ -568,11 +568,13 @@ async def run_process(
     signals: "StopSignals | None" = None,
     auth: "Authenticator | None" = None,
     before_stop: Callable[[], Awaitable[None]] | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Serve the services' HTTP API on host:port and run them until SIGINT/SIGTERM (``signals``: installed earlier).
-    ``before_stop``: awaited once the HTTP server has stopped, while the services still run (`gpuorch up` stops
-    its agents then, so that the services record what the agents report as they stop)."""
-    server = http_server(build_app(services, list(extra_routers), auth=auth), host, port)
+    """Serve the services' HTTP API on host:port (``sock``: that port, bound earlier by ``listen``) and run them
+    until SIGINT/SIGTERM (``signals``: installed earlier). ``before_stop``: awaited once the HTTP server has
+    stopped, while the services still run (`gpuorch up` stops its agents then, so that the services record what
+    the agents report as they stop)."""
+    server = http_server(build_app(services, list(extra_routers), auth=auth), host, port, sock)
     tasks = [asyncio.create_task(s.run(log_), name=f"svc-{s.name}") for s in services]
 
     async def _watch() -> None:
@@ -607,7 +609,14 @@ async def run_process(
         raise SystemExit(f"error: {taken[0]}")
 
 
-def http_server(app: FastAPI, host: str, port: int) -> "uvicorn.Server":
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (0: a free port), bound now: `gpuorch up` binds its API port before it
+    starts anything, so that none of the connections it opens meanwhile takes that port as its own."""
+    return socket.create_server((host, port), backlog=2048)
+
+
+def http_server(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> "uvicorn.Server":
+    """``sock``: serve on this socket, bound earlier by ``listen``, instead of binding host:port."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -617,6 +626,9 @@ def http_server(app: FastAPI, host: str, port: int) -> "uvicorn.Server":
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             yield
+
+        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().serve(sockets or ([sock] if sock is not None else None))
 
     return Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
 

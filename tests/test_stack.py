@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -200,6 +202,26 @@ def test_ctrl_c_while_the_stack_starts_stops_it_and_leaves_nothing_behind(tmp_pa
     assert "Traceback" not in out.read_text()
     wait_until(lambda: not any(alive(p) for p in [info["nats_pid"], *info.get("agent_pids", [])]), 15,
                "the nats-server and the agents to stop")
+
+
+def test_up_holds_its_api_port_from_its_start_and_refuses_one_in_use(tmp_path: Path, stacks: list[Stack]):
+    """The API's port is bound before the nats-server and the services start: while they start, the stack opens
+    connections whose local ports come from the same range, and one of them once took the port the gateway was
+    about to bind (CI: `address already in use`, the stack down). A port in use is refused with a reason."""
+    stack = Stack(tmp_path / "d", split=True)
+    stacks.append(stack)
+    stack.launch()
+    wait_until(lambda: (stack.data_dir / "stack.json").exists() and stack.info().get("nats_pid"), 30,
+               "the nats-server to be started")
+    assert not stack.all_ready()  # the services are still starting: nothing serves the API yet
+    with socket.socket() as s, pytest.raises(OSError) as taken:
+        s.bind(("127.0.0.1", stack.port))
+    assert taken.value.errno == errno.EADDRINUSE
+    wait_until(stack.all_ready, 30, "every service to be ready")
+    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", str(stack.port), "--data-dir",
+                          str(tmp_path / "other")], capture_output=True, text=True, timeout=30, env=ENV)
+    assert out.returncode != 0 and f"port {stack.port} is in use" in out.stderr, out.stderr
+    assert stack.stop() == 0
 
 
 def test_a_second_up_on_a_running_data_dir_is_refused_with_a_reason(tmp_path: Path, stacks: list[Stack]):

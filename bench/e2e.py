@@ -199,6 +199,56 @@ def stage_times(events: list[dict], ids: set[str]) -> tuple[dict[str, list[float
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+class CpuSampler:
+    """The machine's busy share of its CPUs (/proc/stat), every ``every`` seconds, in a thread, while in a with."""
+
+    def __init__(self, every: float = 0.1) -> None:
+        self.every, self.samples, self._stop = every, [], threading.Event()  # samples: (epoch s, busy 0..1)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _read() -> tuple[int, int]:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = f[3] + f[4]  # idle + iowait
+        return sum(f) - idle, sum(f)
+
+    def _run(self) -> None:
+        busy0, all0 = self._read()
+        while not self._stop.wait(self.every):
+            busy1, all1 = self._read()
+            self.samples.append((time.time(), (busy1 - busy0) / max(1, all1 - all0)))
+            busy0, all0 = busy1, all1
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def timeline(events: list[dict], ids: set[str], cpu: list[tuple[float, float]], t0: float, step: float = 0.25) -> str:
+    """Per ``step`` seconds from the first submission: the machine's CPU busy share and how many of the run's jobs
+    were placed, had a task start and exit, and succeeded in it (``--timeline``: where the pipeline idles)."""
+    kinds = ("placed", "task_started", "task_exited", "succeeded")
+    buckets: dict[int, dict[str, float]] = {}
+    for e in events:
+        kind = e["type"].removeprefix("io.gpuorch.job.").rsplit(".v", 1)[0]
+        if kind in kinds and e.get("subject", "").partition("/")[2] in ids:
+            b = buckets.setdefault(int((stamp(e) - t0) / step), {})
+            b[kind] = b.get(kind, 0) + 1
+    for t, busy in cpu:
+        b = buckets.setdefault(int((t - t0) / step), {})
+        b["cpu"], b["n"] = b.get("cpu", 0.0) + busy, b.get("n", 0) + 1
+    lines = [f"{'t s':>6} {'cpu %':>6} " + " ".join(f"{k:>12}" for k in kinds)]
+    for i in range(min(buckets, default=0), max(buckets, default=-1) + 1):
+        b = buckets.get(i, {})
+        cpu_pct = f"{100 * b['cpu'] / b['n']:6.0f}" if b.get("n") else f"{'':>6}"
+        lines.append(f"{i * step:6.2f} {cpu_pct} " + " ".join(f"{b.get(k, 0):12.0f}" for k in kinds))
+    return "\n".join(lines)
+
+
 def cpu_seconds(pid: int | None) -> tuple[float, float]:
     """(its own CPU seconds, its reaped children's) from /proc: an agent's children are its tasks' launchers."""
     try:
@@ -236,7 +286,8 @@ def children_of(pid: int) -> list[int]:
         return []
 
 
-async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: str, profile: bool) -> dict:
+async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: str, profile: bool,
+                      show_timeline: bool = False) -> dict:
     prof = root / "up.prof" if profile and not row.split else None
     stack = ProfiledStack(root / "data", f"dgx-h100:{row.nodes}", split=row.split, profile=prof)
     stack.start()
@@ -278,6 +329,7 @@ async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: st
                         await post(body)
 
             cpu0, me0 = stack_cpu(stack), time.process_time()
+            sampler = CpuSampler().__enter__()
             t0 = time.time()
             await asyncio.gather(*(submitter(s) for s in shares if s))
             t_sub = time.time()
@@ -297,6 +349,7 @@ async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: st
                     raise TimeoutError("jobs still active after 1800 s")
                 await asyncio.sleep(0.25)
             t_poll = time.time()
+            sampler.__exit__()
             cpu1 = {**stack_cpu(stack), "bench client (this process)": time.process_time() - me0}
             views = await pages(c, "/v1/jobs", {"name": name})
             events = await events_since(c, 0)  # a fresh stack: its whole job log
@@ -327,6 +380,8 @@ async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: st
                       for k, v in stages.items()}}
     if prof is not None and prof.exists():
         out["profile"] = top_functions(prof)
+    if show_timeline:
+        print(f"\n=== timeline, {row.name} {workload} ===\n{timeline(events, ids, sampler.samples, t0)}", file=sys.stderr)
     return out
 
 
@@ -625,7 +680,8 @@ def median_of(runs: list[dict]) -> dict:
     return med
 
 
-def run_all(rows: list[Row], workloads: list[str], jobs: int, repeats: int, profile: bool) -> dict:
+def run_all(rows: list[Row], workloads: list[str], jobs: int, repeats: int, profile: bool,
+            show_timeline: bool = False) -> dict:
     out: dict = {"cores": os.cpu_count(), "jobs": jobs, "repeats": repeats, "submitters": SUBMITTERS,
                  "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "rows": {}}
@@ -640,7 +696,7 @@ def run_all(rows: list[Row], workloads: list[str], jobs: int, repeats: int, prof
                     if row.system == "slurm":
                         r = slurm_run(wl, jobs, Path(tmp))
                     else:
-                        r = asyncio.run(gpuorch_run(row, wl, jobs, Path(tmp), f"{rep}-{wl}", profile))
+                        r = asyncio.run(gpuorch_run(row, wl, jobs, Path(tmp), f"{rep}-{wl}", profile, show_timeline))
                     r["load"] = os.getloadavg()[0]
                     prof = r.pop("profile", None)
                     if prof:
@@ -706,6 +762,8 @@ def main() -> None:
     ap.add_argument("--rows", help="comma-separated: " + ",".join(r.name for r in ROWS))
     ap.add_argument("--workloads", default="1gpu,mix")
     ap.add_argument("--profile", action="store_true", help="cProfile the one-process stacks (to stderr)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print (to stderr) CPU busy and jobs placed/started/exited/succeeded per quarter second")
     ap.add_argument("--json", nargs="?", const="-", help="print (or write to this file) the figures as JSON")
     args = ap.parse_args()
     rows = [r for r in ROWS if (not args.only or r.system == args.only)
@@ -716,7 +774,7 @@ def main() -> None:
     def interrupted(signum, frame):  # SIGTERM as Ctrl-C: unwind through every finally (stop the stacks)
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupted)
-    out = run_all(rows, args.workloads.split(","), args.jobs, args.repeats, args.profile)
+    out = run_all(rows, args.workloads.split(","), args.jobs, args.repeats, args.profile, args.timeline)
     if args.json == "-":
         print(json.dumps(out, indent=2))
     else:

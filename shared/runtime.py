@@ -461,11 +461,14 @@ class Service:
         """Append events as this service (source ``/gpuorch/<name>``); one with an expected sequence is checked.
         ``actor``: the user whose request caused them (recorded on each, the audit trail)."""
         assert self.log is not None, "service is not running"
-        envs = [Envelope(e, source=f"/gpuorch/{self.name}", epoch=epoch, traceparent=current_traceparent(), actor=actor)
-                for e in events]
+        envs = [self.envelope(e, epoch, actor) for e in events]
         if len(envs) == 1:
             return [await self.log.append(envs[0], expected_last_subject_seq)]
         return await self.log.append_many(envs)
+
+    def envelope(self, event: Event, epoch: int | None = None, actor: str | None = None) -> Envelope:
+        """``event`` as this service appends it (``emit``): its source, and the current trace as its parent."""
+        return Envelope(event, source=f"/gpuorch/{self.name}", epoch=epoch, traceparent=current_traceparent(), actor=actor)
 
     def status(self) -> dict[str, Any]:
         return {

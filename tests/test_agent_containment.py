@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -351,3 +352,32 @@ def test_a_user_map_that_does_not_fit_says_where(tmp_path: Path, text: str, why:
     f.write_text(text)
     with pytest.raises(UserMapError, match=why):
         load_user_map(f)
+
+
+# --- making a task's directories: modes enforced, and nothing written that is already so ------------------
+
+
+def test_task_directories_get_their_modes_under_any_umask_and_a_wrong_mode_is_corrected(tmp_path: Path):
+    (tmp_path / "work" / "jobs" / "j-1").mkdir(parents=True)
+    (tmp_path / "work" / "jobs" / "j-1").chmod(0o777)  # left so by someone: corrected
+    old = os.umask(0o077)  # would make 0o711 into 0o700: the agent's mode is set after the mkdir
+    try:
+        d = make_task_dir(tmp_path / "work", "j-1", 3, 0)
+        make_workspace(d, None)
+    finally:
+        os.umask(old)
+    for path, mode in [(d.parents[1], 0o711), (d.parent, 0o711), (d, 0o711), (d / "work", 0o700),
+                       (d / "work" / "tmp", 0o700)]:
+        assert stat.S_IMODE(path.stat().st_mode) == mode, path
+
+
+def test_making_an_existing_task_directory_again_writes_no_metadata(tmp_path: Path):
+    """A mode or owner is changed only where it differs: on this VM's ext4 each change is a journal write, and
+    the agent made eight a task (a chmod of every directory on the path, each time)."""
+    d = make_task_dir(tmp_path / "work", "j-1", 3, 0)
+    make_workspace(d, None)
+    before = [p.stat().st_ctime_ns for p in (d, d / "work", d / "work" / "tmp")]
+    time.sleep(0.05)  # past the file-system clock's tick: a chmod now would show in the ctime
+    make_task_dir(tmp_path / "work", "j-1", 3, 0)
+    make_workspace(d, None)
+    assert [p.stat().st_ctime_ns for p in (d, d / "work", d / "work" / "tmp")] == before

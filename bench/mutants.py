@@ -139,8 +139,8 @@ RULES: dict[str, Rule] = {
                                           "spell starts one at once", ("tests/test_cycle_thread.py",)),
     "a snapshot copies out": Rule("the snapshot document taken under the held folds shares nothing later folds "
                                   "change", ("tests/test_snapshot_thread.py",)),
-    "a long cycle rests": Rule("after a cycle that worked T seconds of CPU, the next starts no sooner than REST x T "
-                               "later; a cycle long only in wall time does not rest the next",
+    "a long cycle rests": Rule("after a cycle that worked T seconds of the process's CPU, the next starts no sooner "
+                               "than REST x T later; a cycle long only in wall time does not rest the next",
                                ("tests/test_cycle_thread.py",)),
     "the reaper wakes when due": Rule("the agent's reaper rests while every exit would wake it, and still runs at "
                                       "once on an exit, a stop, a refusal, and when a grace ends",
@@ -443,7 +443,7 @@ MUTANTS: tuple[Mutant, ...] = (
     M("cycles-back-to-back", "a long cycle rests", "services/scheduler/service.py",
       "ended + max(self.debounce, REST * self.worked_s)", "ended + self.debounce"),
     M("rest-in-wall-time", "a long cycle rests", "services/scheduler/service.py",
-      "self.worked_s = read_cpu + decide_cpu", "self.worked_s = time.perf_counter() - t0"),
+      "self.worked_s = time.process_time() - cpu0", "self.worked_s = time.perf_counter() - t0"),
     M("every-wake-waits-a-debounce", "a quiet spell's event at once", "services/scheduler/service.py",
       "await asyncio.sleep(max(0.0, ended + max(self.debounce, REST * self.worked_s) - time.monotonic()))",
       "await asyncio.sleep(max(self.debounce, REST * self.worked_s))"),

@@ -111,8 +111,9 @@ async def test_after_a_long_cycle_the_next_rests_in_proportion(eventlog: EventLo
 
 async def test_a_cycle_slow_for_want_of_a_core_does_not_rest_the_next(eventlog: EventLog,
                                                                       monkeypatch: pytest.MonkeyPatch):
-    """The rest is in proportion to the cycle's CPU, not its wall time: on a busy machine (bench.e2e, 16 agents on
-    2 cores) a cycle of 10 ms of CPU took 200 ms waiting for a core, and rested 400 ms with GPUs and CPU idle."""
+    """The rest is in proportion to the process's CPU over the cycle, not its wall time: on a machine busy with other
+    processes (bench.e2e, 16 agents on 2 cores) a cycle of 10 ms of CPU took 200 ms waiting for a core, and rested
+    400 ms with GPUs and CPU idle."""
     starts: list[float] = []
     real = CycleInput.decide
 

@@ -14,7 +14,6 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 from services.scheduler.api import router
 from services.scheduler.core import Placement, Plan, Reservation
@@ -34,15 +33,15 @@ from shared.settings import Settings
 from shared.telemetry import JobTraces, span
 
 log = logging.getLogger("gpuorch.scheduler")
-T = TypeVar("T")
 
 PLACE_AT_ONCE = 256  # placements appended concurrently
-# after a cycle that worked for T seconds of CPU (read and decide), an event wakes the next one no sooner than
-# REST x T later (the timer's ticks too): a cycle over 10,000 waiting jobs takes 100-200 ms of CPU, and woken by
-# every submission it ran back to back, a core's worth beside the API (Slurm's quick scheduler looks at the first
-# 100 jobs for the same reason). A small backlog's cycles take milliseconds: their rest stays the debounce. CPU,
-# not wall time: on a busy machine a cycle of 10 ms of CPU took 200 ms waiting for a core, and its rest of 400 ms
-# left 128 freed GPUs idle with the CPU idle too (bench.e2e --timeline).
+# after a cycle that worked for T seconds, an event wakes the next one no sooner than REST x T later (the timer's
+# ticks too): a cycle over 10,000 waiting jobs takes 100-200 ms of CPU, and woken by every submission it ran back
+# to back, a core's worth beside the API (Slurm's quick scheduler looks at the first 100 jobs for the same reason).
+# A small backlog's cycles take milliseconds: their rest stays the debounce. T is the CPU this process spent from
+# the cycle's read to the end of its appends (its threads, and the requests served beside it), not the wall time:
+# on a machine busy with other processes (16 agents on 2 cores) a cycle of 10 ms waited 200 ms for a core, and its
+# rest of 400 ms left 128 freed GPUs idle with the CPU idle too (bench.e2e --timeline).
 REST = 2.0
 
 RELEVANT = ("job.queued", "job.requeued", "job.succeeded", "job.failed", "job.cancelled", "job.preempted", "node.", "gpu.", "queue.")
@@ -115,10 +114,10 @@ class Scheduler:
         t0, started = time.perf_counter(), time.time_ns()
         # read in a thread with the folds held, then decided in a thread on that copy while folds go on: a cycle over
         # 10,000 pending jobs takes 100-200 ms, which every request waiting for a fold (a POST) waited out
-        read, read_cpu = await self.svc.read_in_thread(on_cpu(lambda: cycle_input(
-            self.proj, self.policy, now, self.settings.half_life_s, self.settings.reclaim_after_s)))
-        plan, decide_cpu = await asyncio.to_thread(on_cpu(read.decide))
-        self.worked_s = read_cpu + decide_cpu
+        cpu0 = time.process_time()
+        read = await self.svc.read_in_thread(lambda: cycle_input(self.proj, self.policy, now, self.settings.half_life_s,
+                                                                 self.settings.reclaim_after_s))
+        plan = await asyncio.to_thread(read.decide)
         self.svc.metrics.cycle_seconds.labels("scheduler").observe(time.perf_counter() - t0)
         self.events.placements.observe(len(plan.placements))
         # a cycle that decided something is a trace of its own (an idle tick makes none); each job's decision is a
@@ -128,6 +127,7 @@ class Scheduler:
                 "gpuorch.placed": len(plan.placements), "gpuorch.preempted": len(plan.preemptions)}) \
                 if busy else contextlib.nullcontext():
             await self.commit(plan, now)
+        self.worked_s = time.process_time() - cpu0
         return plan
 
     async def commit(self, plan: Plan, now: float) -> None:
@@ -278,15 +278,6 @@ class Scheduler:
                      kind, attempt_key(job))
             return
         log.info("event=%s job=%s attempt=%s", event.TYPE.split(".")[1], job.job_id, attempt_key(job))
-
-
-def on_cpu(work: Callable[[], T]) -> Callable[[], tuple[T, float]]:
-    """``work`` as a function that also returns the CPU seconds its thread spent on it."""
-    def timed() -> tuple[T, float]:
-        t = time.thread_time()
-        out = work()
-        return out, time.thread_time() - t
-    return timed
 
 
 def attempt_key(job: JobRecord) -> str:

@@ -1,0 +1,69 @@
+"""What the agent's file-system work costs on a file system: CPU and wall microseconds of each kind of operation
+a task's directory takes (``docs/benchmarks/agent.md``).
+
+    python -m bench.fsops [DIR ...]   # default: $TMPDIR (or /tmp) and /dev/shm
+
+Each operation runs ``--n`` times in a fresh directory under DIR, which is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def measure(base: str, n: int) -> dict[str, tuple[float, float]]:
+    """-> {operation: (CPU us, wall us)} per operation, on ``base``."""
+    root = tempfile.mkdtemp(prefix="fsops-", dir=base)
+    out: dict[str, tuple[float, float]] = {}
+
+    def run(name: str, op: Callable[[str], object]) -> None:
+        c, w = _cpu(), time.perf_counter()
+        for i in range(n):
+            op(f"{root}/d{i}")
+        out[name] = (1e6 * (_cpu() - c) / n, 1e6 * (time.perf_counter() - w) / n)
+
+    def create(path: str) -> None:
+        with open(path, "w") as f:
+            f.write("123")
+
+    def create_and_rename(d: str) -> None:
+        create(f"{d}/exit.json.tmp")
+        os.replace(f"{d}/exit.json.tmp", f"{d}/exit.json")
+
+    try:
+        run("mkdir", os.mkdir)
+        run("create a file", lambda d: create(f"{d}/pid"))
+        run("chmod (same mode)", lambda d: os.chmod(d, 0o711))
+        run("create + rename", create_and_rename)
+        run("exists (absent)", lambda d: os.path.exists(f"{d}/reported"))
+        run("read", lambda d: open(f"{d}/pid").read())
+        run("remove the directory", shutil.rmtree)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dirs", nargs="*", default=[tempfile.gettempdir(), "/dev/shm"])
+    ap.add_argument("--n", type=int, default=1000)
+    args = ap.parse_args()
+    print(f"| operation | {' | '.join(f'{d}: CPU / wall us' for d in args.dirs)} |")
+    print(f"|---|{'---|' * len(args.dirs)}")
+    results = [measure(d, args.n) for d in args.dirs]
+    for op in results[0]:
+        print(f"| {op} | " + " | ".join(f"{r[op][0]:.0f} / {r[op][1]:.0f}" for r in results) + " |")
+
+
+if __name__ == "__main__":
+    main()

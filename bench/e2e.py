@@ -1,6 +1,7 @@
 """End to end, side by side with a real Slurm (issue 15): the same short jobs through gpuorch and through Slurm.
 
     python -m bench.e2e [--json [FILE]] [--jobs 500] [--repeats 3] [--only gpuorch|slurm] [--rows ROW,...] [--profile]
+                        [--timeline]
 
 Workloads (``--workloads``): ``1gpu``, jobs of `true` asking 1 GPU each; ``mix``, the same command asking
 1,1,2,4,8 GPUs in turn. Always 8 parallel submitters. Each run starts its scheduler afresh, submits ``--jobs``
@@ -27,7 +28,9 @@ Rows (``--rows``, default all):
 For gpuorch, the end is polled with ``GET /v1/jobs?name=RUN&state=S`` for each unended state S (cursor paging; one
 state per request, as the --split gateway keeps only the last of repeated parameters) and the times are the jobs' own (``GET /v1/jobs``); a stage breakdown (submitted -> queued -> placed ->
 task started -> task exited -> succeeded, medians over the jobs) is read from the log (``GET /v1/events?subject=job``).
-``--profile`` runs one-process stacks under cProfile and prints their top functions. Every process started
+``--profile`` runs one-process stacks under cProfile and prints their top functions. ``--timeline`` prints, per
+quarter second of each run, the machine's CPU busy share and how many jobs were placed, started, exited and
+succeeded in it (where the pipeline idles). Every process started
 (gpuorch up and its children, slurmctld, slurmd, munged, slurmstepd) is stopped on exit, Ctrl-C or error.
 Figures: docs/benchmarks/e2e.md.
 """
@@ -200,7 +203,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 class CpuSampler:
-    """The machine's busy share of its CPUs (/proc/stat), every ``every`` seconds, in a thread, while in a with."""
+    """The machine's busy share of its CPUs (/proc/stat), every ``every`` seconds, in a (daemon) thread, from
+    ``start`` to ``stop``."""
 
     def __init__(self, every: float = 0.1) -> None:
         self.every, self.samples, self._stop = every, [], threading.Event()  # samples: (epoch s, busy 0..1)
@@ -219,11 +223,11 @@ class CpuSampler:
             self.samples.append((time.time(), (busy1 - busy0) / max(1, all1 - all0)))
             busy0, all0 = busy1, all1
 
-    def __enter__(self) -> "CpuSampler":
+    def start(self) -> "CpuSampler":
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
@@ -329,7 +333,7 @@ async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: st
                         await post(body)
 
             cpu0, me0 = stack_cpu(stack), time.process_time()
-            sampler = CpuSampler().__enter__()
+            sampler = CpuSampler().start()
             t0 = time.time()
             await asyncio.gather(*(submitter(s) for s in shares if s))
             t_sub = time.time()
@@ -349,7 +353,7 @@ async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: st
                     raise TimeoutError("jobs still active after 1800 s")
                 await asyncio.sleep(0.25)
             t_poll = time.time()
-            sampler.__exit__()
+            sampler.stop()
             cpu1 = {**stack_cpu(stack), "bench client (this process)": time.process_time() - me0}
             views = await pages(c, "/v1/jobs", {"name": name})
             events = await events_since(c, 0)  # a fresh stack: its whole job log

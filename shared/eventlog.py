@@ -458,7 +458,9 @@ class EventLog:
                     for i in todo:
                         env = envs[i]
                         await self.nc.publish(env.data.nats_subject, env.encode(), reply=f"{prefix}.{i}", headers=env.headers())
-                    await self.nc.flush(timeout=5)
+                    # each publish kicks the client's flusher; no flush() here: nats-py sets a PONG's result even
+                    # when the flush awaiting it was cancelled, and that error ends its read loop (the connection
+                    # then answers nothing: a scheduler stopped mid-append wedged its process so)
                     await wait_event(all_acked, 5)
                 except RETRYABLE:
                     pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from nats.js import api
@@ -11,6 +12,7 @@ from bench.workload import workload
 from shared import events as ev
 from shared.eventlog import SNAPSHOT_ENCODING, STREAM, ConcurrencyConflict, EventLog, Undecodable
 from shared.events import Envelope
+from tests.builders import node
 
 
 async def test_the_same_event_appended_twice_is_stored_once(eventlog: EventLog):
@@ -102,3 +104,22 @@ async def test_a_raw_replay_decodes_to_the_same_records(eventlog: EventLog):
     decoded = [rec async for rec in eventlog.replay(1)]
     raw = [rec async for rec in eventlog.replay(1, raw=True)]
     assert [r.decoded() for r in raw] == decoded and len(decoded) > 100
+
+
+async def test_an_append_many_cancelled_at_any_point_leaves_the_connection_working(eventlog: EventLog):
+    """nats-py (2.16) sets the result of a PONG's future even when the flush that awaited it was cancelled: the
+    InvalidStateError ends the client's read loop, and every later request on the connection times out. A
+    scheduler stopping mid-append (its cycle cancelled) wedged the process's connection so (CI: the snapshot store
+    'not ready after 60 s'). append_many awaits its acknowledgements, never a flush."""
+    for step in range(30):
+        envs = [Envelope(ev.NodeRegistered(node_id=f"c{step}-{i}", node=node(f"c{step}-{i}").gpus(1).build()))
+                for i in range(20)]
+        task = asyncio.create_task(eventlog.append_many(envs))
+        for _ in range(step):  # cancelled at a different point each time
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    seq = await asyncio.wait_for(eventlog.append(Envelope(ev.NodeRegistered(node_id="after", node=node("after").gpus(1).build()))), 10)
+    assert seq > 0
+    assert await asyncio.wait_for(eventlog.last_seq(), 10) >= seq

@@ -171,6 +171,10 @@ RULES: dict[str, Rule] = {
                               ("tests/test_restarts.py::test_an_agent_that_keeps_dying_is_started_again_ever_more_slowly",
                                "tests/test_restarts.py::test_an_agent_killed_while_its_task_runs_is_started_again_and_"
                                "the_job_succeeds")),
+    "a cancelled append harms nothing": Rule("an append_many cancelled at any point leaves the bus connection working "
+                                             "(no flush whose cancelled PONG ends nats-py's read loop)",
+                                             ("tests/test_eventlog.py::test_an_append_many_cancelled_at_any_point_"
+                                              "leaves_the_connection_working",)),
 }
 
 
@@ -444,6 +448,9 @@ MUTANTS: tuple[Mutant, ...] = (
       "ended + max(self.debounce, REST * self.worked_s)", "ended + self.debounce"),
     M("rest-in-wall-time", "a long cycle rests", "services/scheduler/service.py",
       "self.worked_s = time.process_time() - cpu0", "self.worked_s = time.perf_counter() - t0"),
+    M("append-many-flushes", "a cancelled append harms nothing", "shared/eventlog.py",
+      "                    await wait_event(all_acked, 5)",
+      "                    await self.nc.flush(timeout=5)\n                    await wait_event(all_acked, 5)", "issue"),
     M("every-wake-waits-a-debounce", "a quiet spell's event at once", "services/scheduler/service.py",
       "await asyncio.sleep(max(0.0, ended + max(self.debounce, REST * self.worked_s) - time.monotonic()))",
       "await asyncio.sleep(max(self.debounce, REST * self.worked_s))"),

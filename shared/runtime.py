@@ -615,7 +615,7 @@ async def run_process(
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket on host:port (0: a free port), bound now: `gpuorch up` binds its API port before it
     starts anything, so that none of the connections it opens meanwhile takes that port as its own."""
-    return socket.create_server((host, port), backlog=2048)
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=2048)
 
 
 def http_server(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> "uvicorn.Server":

@@ -65,7 +65,7 @@ def _descend(fd: int, name: str, mode: int | None = None, owner: tuple[int, int]
         sub = os.open(name, _DIR, dir_fd=fd)
     finally:
         os.close(fd)
-    try:  # changed only where it differs: on ext4 each change is a journal write, eight a task before (bench.e2e)
+    try:  # changed only where it differs: on ext4 each change is a journal write (six chmods a task before)
         st = os.fstat(sub)
         if owner is not None and (st.st_uid, st.st_gid) != owner:
             os.fchown(sub, *owner)

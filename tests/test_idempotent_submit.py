@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from services import cli
 from shared.eventlog import EventLog
-from tests.support import as_user, in_process_stack
+from tests.support import as_user, eventually, in_process_stack
 from tests.jobfiles.test_cli import answer_through, gpuorch
 from tests.test_batch_submit import counting_appends, job, submitted_seqs, with_a_node
 
@@ -231,13 +231,15 @@ async def test_a_submission_recorded_in_part_by_a_try_that_died_is_completed_onc
         def env(event, job_id: str, kind: str) -> Envelope:
             return Envelope(event, id=f"{job_id}-{kind}-first-try", source="/gpuorch/scheduler", actor=user)
         element = [spec(2).model_copy(update={"array": ArrayElement(id=c, index=i)}) for i in (0, 1)]
-        await eventlog.append_many([  # a: both events; b: its submission only; c: two of four elements
+        # the retry comes past the duplicate window (minutes later): the scheduler has folded the first try by then
+        first_try = await eventlog.append_many([  # a: both events; b: its submission only; c: two of four elements
             env(ev.JobSubmitted(job_id=a, spec=spec(0), owner=user), a, "submitted"),
             env(ev.JobQueued(job_id=a), a, "queued"),
             env(ev.JobSubmitted(job_id=b, spec=spec(1), owner=user), b, "submitted"),
             *(env(ev.JobSubmitted(job_id=f"{c}-{i}", spec=element[i], owner=user), f"{c}-{i}", "submitted")
               for i in (0, 1)),
             *(env(ev.JobQueued(job_id=f"{c}-{i}"), f"{c}-{i}", "queued") for i in (0, 1))])
+        await eventually(lambda: services["scheduler"].projection.seq >= first_try[-1], what="the first try folded")
         r = await client.post("/v1/jobs", json=body, headers=keyed("half"))
         assert r.status_code == 201, r.text
         assert [j["id"] for j in r.json()] == [a, b, c] and r.json()[2]["jobs"] == [f"{c}-{i}" for i in range(4)]
@@ -249,7 +251,8 @@ async def test_a_submission_recorded_in_part_by_a_try_that_died_is_completed_onc
         states = {j: (await client.get(f"/v1/jobs/{j}")).json()["state"] for j in every}
         assert "submitted" not in states.values(), states
         lone = keyed_id(user, "lone", 0, False)  # one job, its job.queued lost: the retry appends it
-        await eventlog.append(env(ev.JobSubmitted(job_id=lone, spec=spec(0), owner=user), lone, "submitted"))
+        seq = await eventlog.append(env(ev.JobSubmitted(job_id=lone, spec=spec(0), owner=user), lone, "submitted"))
+        await eventually(lambda: services["scheduler"].projection.seq >= seq, what="the first try folded")
         r = await client.post("/v1/jobs", json=body[0], headers=keyed("lone"))
         assert r.status_code == 201 and r.json()["id"] == lone and r.json()["state"] != "submitted", r.text
         assert services["scheduler"].projection.invalid_count == 0

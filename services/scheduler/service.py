@@ -168,15 +168,15 @@ class Scheduler:
         self.reservation = plan.reservation
         # the reasons worth logging, appended together: one after another, a first cycle over 900 waiting jobs spent
         # 600 ms on their acks while 128 freed GPUs waited for the next cycle (bench.e2e --timeline)
-        reasons: dict[str, Envelope] = {}
+        logged: list[tuple[str, Envelope]] = []
         for job_id, reason in plan.unschedulable.items():
             job = self.proj.jobs.get(job_id)
             if job is None or job.state != "queued":
                 continue
             if worth_logging(job.reason, self.reason_logged_at.get(job_id), reason, now, self.settings.reason_refresh_s):
                 with self.traces.span("scheduler.unschedulable", job_id):  # the event continues the job's trace
-                    reasons[job_id] = self.svc.envelope(ev.JobUnschedulable(job_id=job_id, reason=reason), epoch=epoch)
-        logged = list(reasons.items())
+                    logged.append((job_id, self.svc.envelope(ev.JobUnschedulable(job_id=job_id, reason=reason),
+                                                             epoch=epoch)))
         for i in range(0, len(logged), PLACE_AT_ONCE):
             last = max(last, *await self.svc.log.append_many(env for _, env in logged[i:i + PLACE_AT_ONCE]))
             self.reason_logged_at.update((job_id, now) for job_id, _ in logged[i:i + PLACE_AT_ONCE])

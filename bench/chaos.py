@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 
+from services.inventory.taskdir import StateUnreadable, read_record
 from shared.eventlog import EventLog
 from shared.events import Envelope
 from shared.natsauth import Credentials
@@ -144,10 +145,11 @@ class Stack:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         for pid in [info.get("nats_pid"), *info.get("agent_pids", []), *(s.get("pid") for s in split.values())]:
             kill(pid)
-        for pid_file in self.data_dir.glob("agents/*/jobs/*/*/*/pid"):
+        for task_dir in self.data_dir.glob("agents/*/jobs/*/*/*"):
             try:
-                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-            except (OSError, ValueError):
+                if (pid := read_record(task_dir).pid) > 1:
+                    os.killpg(pid, signal.SIGKILL)
+            except (OSError, StateUnreadable):
                 pass
 
 

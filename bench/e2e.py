@@ -691,11 +691,15 @@ def run_all(rows: list[Row], workloads: list[str], jobs: int, repeats: int, prof
                  "rows": {}}
     if any(r.system == "slurm" for r in rows):
         ensure_slurm()
-    # repeats outermost, rows interleaved: a noisy minute on the shared machine hits every row alike
-    for rep in range(repeats):
-        for row in rows:
-            for wl in workloads:
-                with tempfile.TemporaryDirectory(prefix=f"e2e-{row.name}-") as tmp:
+    # repeats outermost, rows interleaved: a noisy minute on the shared machine hits every row alike. Every run's
+    # files stay until the end: on ext4, files created within a minute (up to six) after many were removed cost
+    # 6-25x the CPU (the inode allocator skips each recently freed inode), so removing a run's files would slow
+    # the next run, whichever system it measures (docs/benchmarks/e2e.md, tenth round)
+    with tempfile.TemporaryDirectory(prefix="e2e-") as root:
+        for rep in range(repeats):
+            for row in rows:
+                for wl in workloads:
+                    tmp = tempfile.mkdtemp(prefix=f"{row.name}-{rep}-{wl}-", dir=root)
                     t = time.monotonic()
                     if row.system == "slurm":
                         r = slurm_run(wl, jobs, Path(tmp))

@@ -175,6 +175,12 @@ RULES: dict[str, Rule] = {
                                              "(no flush whose cancelled PONG ends nats-py's read loop)",
                                              ("tests/test_eventlog.py::test_an_append_many_cancelled_at_any_point_"
                                               "leaves_the_connection_working",)),
+    "a task's record survives": Rule("the agent's record of a task reads every step it appended, past a line cut "
+                                     "short, and what an older agent recorded as one file a step",
+                                     ("tests/test_agent_containment.py::test_the_agents_record_of_a_task_is_its_"
+                                      "appended_steps_and_a_line_cut_short_is_skipped",
+                                      "tests/test_agent_containment.py::test_an_agent_upgraded_under_a_running_task_"
+                                      "adopts_what_an_older_agent_recorded")),
 }
 
 
@@ -430,6 +436,14 @@ MUTANTS: tuple[Mutant, ...] = (
     M("keeper-dies-answering-a-gone-agent", "every exit recorded", "services/inventory/launcher.py",
       "    try:\n        sock.send(text.encode())\n    except OSError:\n        return False\n    return True",
       "    sock.send(text.encode())\n    return True"),
+    M("a-record-step-glued-to-a-cut-line", "a task's record survives", "services/inventory/taskdir.py",
+      'os.write(fd, b"\\n" + json.dumps({"step": step, **fields}).encode())',
+      'os.write(fd, json.dumps({"step": step, **fields}).encode() + b"\\n")'),
+    M("an-upgrade-starts-a-task-again", "a task's record survives", "services/inventory/taskdir.py",
+      'return (task_dir / RECORD).exists() or (task_dir / "started").exists()', 'return (task_dir / RECORD).exists()'),
+    M("an-upgrade-loses-the-pid", "a task's record survives", "services/inventory/taskdir.py",
+      '    text = read_state(task_dir, RECORD)\n    if text is None:\n        return _legacy_record(task_dir)',
+      '    text = read_state(task_dir, RECORD) or ""'),
     M("a-lagging-record-reported-lost", "every exit recorded", "services/inventory/agent.py",
       "            if now < t.record_due:", "            if False:"),
     M("folds-run-under-a-reader", "no fold under a reader", "shared/runtime.py",

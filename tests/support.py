@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from services.inventory.taskdir import read_record
 from shared.eventlog import EventLog
 from shared.natsd import free_port
 from shared.runtime import Service
@@ -155,7 +156,7 @@ class AgentProc:
         os.kill(self.proc.pid, sig)
 
     def task_pids(self) -> list[int]:
-        return [pid for p in self.work.glob("jobs/*/*/*/pid") if p.read_text().strip() and (pid := int(p.read_text())) > 1]
+        return [pid for d in self.work.glob("jobs/*/*/*") if (pid := read_record(d).pid) > 1]
 
     def keeper_pids(self) -> list[int]:
         """The agent's task keepers (``launcher.py --serve``, labelled with its work dir), the current and closed ones."""

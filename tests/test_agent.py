@@ -7,6 +7,7 @@ import json
 import signal
 
 import httpx
+from services.inventory.taskdir import read_record
 from shared import events as ev
 from shared.eventlog import EventLog
 from shared.events import Envelope
@@ -75,6 +76,23 @@ async def test_an_agent_killed_while_its_task_runs_re_adopts_it_and_never_starts
         assert [h["type"].split(".")[3] for h in history].count("task_started") == 1
         [marker] = agent.work.glob(f"jobs/{job_id}/*/0/work/runs")
         assert marker.read_text() == "run\n", "the command ran exactly once"
+
+
+async def test_a_finished_task_leaves_its_logs_its_exit_and_one_record_of_the_agents_steps(eventlog: EventLog, agents):
+    """Nine inodes a task, not twelve: the agent's steps are lines appended to one file (``taskdir``)."""
+    async with in_process_stack(eventlog) as (client, _):
+        agent = agents("a")[0]
+        await nodes_up(client, 1)
+        spec = job("short").gpus(1).build().model_copy(update={"command": ("true",)})
+        job_id = (await client.post("/v1/jobs", json=spec.model_dump(mode="json"))).json()["id"]
+        assert (await final(client, job_id))["state"] == "succeeded"
+        [d] = agent.work.glob(f"jobs/{job_id}/*/0")
+        async def recorded():
+            return (r := read_record(d)).reported and r
+        record = await until(recorded, 10, "the exit's acknowledgement recorded")
+        assert record.started and record.pid > 1
+        made = sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+        assert made == ["exit.json", "record", "stderr.log", "stdout.log", "work", "work/tmp"], made
 
 
 async def test_a_task_gone_while_its_agent_was_down_is_reported_lost(eventlog: EventLog, agents):

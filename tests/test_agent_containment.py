@@ -19,8 +19,8 @@ import pytest
 from services.inventory.agent import Agent
 from services.inventory.work import WorkOrder
 from services.inventory.runas import RunAs, RunAsRefused, UserMap, UserMapError, load_user_map, resolve
-from services.inventory.taskdir import (LogNotFound, StateUnreadable, make_task_dir, make_workspace, read_exit,
-                                        read_task_log)
+from services.inventory.taskdir import (LogNotFound, StateUnreadable, TaskRecord, append_record, has_record,
+                                        make_task_dir, make_workspace, read_exit, read_record, read_task_log)
 from shared import events as ev
 from shared.eventlog import EventLog
 from shared.profiles import build
@@ -108,7 +108,7 @@ async def test_a_task_gets_its_jobs_environment_and_nothing_of_its_agents(eventl
         assert env["PATH"].split(":")[0] == os.path.dirname(sys.executable)
         expected_user = "nobody" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
         assert env["USER"] == env["LOGNAME"] == expected_user
-        task = int((d / "pid").read_text())
+        task = read_record(d).pid
         keeper = next(int(line.split()[1]) for line in Path(f"/proc/{task}/status").read_text().splitlines()
                       if line.startswith("PPid:"))
         assert b"--serve" in Path(f"/proc/{keeper}/cmdline").read_bytes(), "the task is its keeper's child"
@@ -289,6 +289,48 @@ def test_an_exit_record_that_cannot_be_trusted_is_unreadable(task: Path, plant, 
         read_exit(task)
 
 
+def test_the_agents_record_of_a_task_is_its_appended_steps_and_a_line_cut_short_is_skipped(task: Path):
+    assert read_record(task) == TaskRecord() and not has_record(task)
+    append_record(task, "started", pid=4242, at=1.0)
+    with open(task / "record", "ab") as f:
+        f.write(b'\n{"step": "reported", "co')  # a write cut short (a full disk, a power loss)
+    assert read_record(task) == TaskRecord(started=True, pid=4242) and has_record(task)
+    append_record(task, "start_reported")
+    append_record(task, "reported", code=0, signal=None)
+    assert read_record(task) == TaskRecord(started=True, pid=4242, start_reported=True, reported=True)
+
+
+def test_the_agents_record_is_never_written_through_a_link_or_into_a_fifo(task: Path):
+    (task / "record").symlink_to(task / "elsewhere")
+    with pytest.raises(OSError):
+        append_record(task, "started", pid=1, at=1.0)
+    assert not (task / "elsewhere").exists()
+    (task / "record").unlink()
+    os.mkfifo(task / "record")
+    with pytest.raises(OSError):  # no reader: refused at once, never waited on
+        append_record(task, "started", pid=1, at=1.0)
+
+
+async def test_an_agent_upgraded_under_a_running_task_adopts_what_an_older_agent_recorded(tmp_path: Path):
+    """Before the record, each step was a file of its own (pid, started, start_reported, reported)."""
+    agent = Agent(build("t4-4x", "n1"), tmp_path / "work")
+    live = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        running = make_task_dir(agent.work_dir, "j-running", 1, 0)
+        (running / "pid").write_text(str(live.pid))
+        (running / "started").write_text("1.0")
+        done = make_task_dir(agent.work_dir, "j-done", 1, 0)
+        for name, text in (("pid", "999999"), ("started", "1.0"), ("start_reported", ""), ("reported", "{}")):
+            (done / name).write_text(text)
+        assert read_record(running) == TaskRecord(started=True, pid=live.pid) and has_record(done)
+        await agent.adopt()
+        assert list(agent.tasks) == ["j-running-1-0"] and agent.tasks["j-running-1-0"].pid == live.pid
+        assert live.wait(5) == -signal.SIGTERM, "its job is not known here: stopped, by the pid the old file held"
+    finally:
+        live.kill()
+        live.wait()
+
+
 async def test_a_corrupt_exit_record_is_reported_lost_and_the_next_task_still_reported(eventlog: EventLog, agents):
     async with in_process_stack(eventlog) as (client, _):
         agent = agents("a")[0]
@@ -297,7 +339,7 @@ async def test_a_corrupt_exit_record_is_reported_lost_and_the_next_task_still_re
         d = await until(lambda: _started(agent, first), 20, "the first task to start")
         (d / "exit.json").mkdir()  # what its keeper cannot replace with the record
         (d / "exit.json" / "x").write_text("{not json")
-        os.killpg(int((d / "pid").read_text()), signal.SIGKILL)
+        os.killpg(read_record(d).pid, signal.SIGKILL)
         done = await final(client, first)
         assert done["state"] == "failed" and "exit record is unreadable" in done["reason"], done
         second = await submit(client, "next", ("true",))
@@ -305,8 +347,8 @@ async def test_a_corrupt_exit_record_is_reported_lost_and_the_next_task_still_re
 
 
 async def _started(agent: AgentProc, job_id: str) -> Path | None:
-    found = list(agent.work.glob(f"jobs/{job_id}/*/0/pid"))
-    return found[0].parent if found and found[0].read_text() else None
+    found = list(agent.work.glob(f"jobs/{job_id}/*/0"))
+    return found[0] if found and read_record(found[0]).pid else None
 
 
 # --- which account: the user map, the system, the default, never root unless allowed ------------------------

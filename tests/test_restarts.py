@@ -20,6 +20,7 @@ import pytest
 
 from services.cli import verify_log
 from services.inventory.outbox import SEND_TIMEOUT_S
+from services.inventory.taskdir import StateUnreadable, read_record
 from services.stack import restart_delay
 from services.scheduler.projection import SchedulerProjection
 from shared import events as ev
@@ -137,9 +138,9 @@ def kill_leftovers(data_dir: Path) -> None:
                 if "launcher.py" in cmdline:
                     os.killpg(int(proc.name), signal.SIGKILL)  # a task's own launcher: its command is in its group
                 os.kill(int(proc.name), signal.SIGKILL)
-    for pid_file in data_dir.glob("agents/*/jobs/*/*/*/pid"):  # tasks of a keeper lead their own groups
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(pid_file.read_text() or 0)
+    for task_dir in data_dir.glob("agents/*/jobs/*/*/*"):  # tasks of a keeper lead their own groups
+        with contextlib.suppress(OSError, StateUnreadable):
+            pid = read_record(task_dir).pid
             if pid > 1 and os.readlink(f"/proc/{pid}/cwd").startswith(str(data_dir.resolve())):  # not a reused pid
                 os.killpg(pid, signal.SIGKILL)
 
@@ -429,7 +430,7 @@ async def test_the_reaper_enforces_a_grace_while_the_bus_is_away_and_the_exit_re
             return stubborn.poll() is not None
         await until(killed, 5, "the overdue task to get its SIGKILL although the bus is away")
         assert "j-ended" in [r.env.data.job_id for r in agent.outbox.pending.values()]
-        assert not (ended.dir / "reported").exists(), "recorded as reported only once acknowledged"
+        assert not read_record(ended.dir).reported, "recorded as reported only once acknowledged"
     finally:
         reaper.cancel()
         stubborn.kill()

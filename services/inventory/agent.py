@@ -1,10 +1,10 @@
 """The node agent: registers its GPUs, heartbeats, samples telemetry, and runs the tasks placed on it.
 
 Each task runs in its own session as a child of the agent's task keeper (``launcher.py --serve``,
-``forker``), in one directory per (job, attempt, task) holding its logs, its pid and, at the end, its exit
+``forker``), in one directory per (job, attempt, task) holding its logs, the agent's record of it (pid, reports) and, at the end, its exit
 as the keeper recorded it (layout: ``taskdir``); the agent, a child subreaper, records the exits of the
 tasks of a keeper that died. The directory is the agent's memory across restarts: a task whose
-directory says "started" is never started again; a restarted agent re-adopts a
+directory holds a record is never started again; a restarted agent re-adopts a
 live one and reports a vanished one as lost. A simulated node that powers off with
 its agent (``--kill-tasks-on-exit``) records its tasks as interrupted before it
 kills them: they are reported so, now or when it starts again, and their jobs go
@@ -44,9 +44,9 @@ from services.inventory.forker import Forker
 from services.inventory.launcher import become_subreaper, record_orphan
 from services.inventory.outbox import Outbox, Report
 from services.inventory.runas import RunAs, RunAsRefused, UserMap, agent_account, resolve
-from services.inventory.taskdir import (ExitRecord, LogNotFound, StateUnreadable, make_task_dir, make_workspace,
-                                        open_log, read_exit, read_pid, read_state, read_task_log, untraversable,
-                                        valid_job_id)
+from services.inventory.taskdir import (ExitRecord, LogNotFound, StateUnreadable, TaskRecord, append_record,
+                                        has_record, make_task_dir, make_workspace, open_log, read_exit, read_record,
+                                        read_state, read_task_log, untraversable, valid_job_id)
 from services.inventory.taskenv import base_env, task_env
 from services.inventory.work import NODE_NOTICE, STORED, NodeNotice, WorkOrder, node_work
 from shared import events as ev
@@ -64,7 +64,6 @@ log = logging.getLogger("gpuorch.agent")
 STOP_GRACE_S = 10  # for what is left of an ended job (cancelled, failed, requeued: its word carries no grace)
 REFUSED = 126  # the shell's "found but cannot run"
 INTERRUPTED = "interrupted"  # a task directory's record: its node stopped under it (the file holds the reason)
-START_REPORTED = "start_reported"  # a task directory's record: the bus acknowledged its start report
 XID_POLL_MS = 500
 REAP_POLL_S = 0.1  # the reaper's round while some task's exit is not watched (no pidfd, or a report to retry)
 REAP_IDLE_S = 1.0  # its round while every task's exit wakes it: a safety net (16 idle simulated agents polling at
@@ -335,7 +334,7 @@ class Agent:
             log.warning("event=task_refused job=%r task=%d reason=invalid_job_id", order.job_id[:100], task)
             return
         d = self.task_dir(order.job_id, attempt, task)
-        if order.spec is None or (d / "started").exists():
+        if order.spec is None or has_record(d):
             return  # never start a task twice: a redelivery or an agent restart lands here
         spec = order.spec
         make_task_dir(self.work_dir, order.job_id, attempt, task)
@@ -358,9 +357,7 @@ class Agent:
         finally:
             os.close(out)
             os.close(err)
-        if pid:  # none for a task that could not start: a pid file never says 0 (a kill of group 0 is our own)
-            (d / "pid").write_text(str(pid))
-        (d / "started").write_text(str(time.time()))
+        append_record(d, "started", pid=pid, at=time.time())  # pid 0: it could not start (its exit record says why)
         t = Task(order.job_id, attempt, task, d, pid, traceparent=current_traceparent())
         self.tasks[t.key] = t
         if pid:
@@ -375,8 +372,10 @@ class Agent:
         started = ev.JobTaskStarted(job_id=t.job_id, task=t.task, node_id=self.node.node_id, pid=t.pid, attempt=t.attempt)
 
         def acked() -> None:
+            if t.reporting or t.key not in self.tasks:
+                return  # it ended already: adoption re-reports the start of live tasks only
             with contextlib.suppress(OSError):
-                (t.dir / START_REPORTED).write_text("")
+                append_record(t.dir, "start_reported")
         self.report(started, f"{t.key}-{self.node.node_id}-started", acked)
 
     def cannot_start(self, job_id: str, attempt: int, task: int, reason: str) -> None:
@@ -384,7 +383,7 @@ class Agent:
         log.exception("event=task_start_failed job=%s task=%d attempt=%d", job_id, task, attempt)
         d = self.task_dir(job_id, attempt, task)
         try:
-            if not (d / "started").exists():
+            if not has_record(d):
                 self.refuse(Task(job_id, attempt, task, d, 0), reason)
         except OSError:  # no directory to keep it in: a redelivery may try again, the report's id is the same
             self.report(ev.JobTaskExited(job_id=job_id, task=task, node_id=self.node.node_id, code=REFUSED, reason=reason,
@@ -393,7 +392,7 @@ class Agent:
     def refuse(self, t: Task, reason: str) -> None:
         """Record the task as ended with REFUSED without starting it: the reaper reports it, once, as any exit."""
         (t.dir / "exit.json").write_text(json.dumps({"code": REFUSED, "reason": reason}))
-        (t.dir / "started").write_text(str(time.time()))
+        append_record(t.dir, "started", pid=0, at=time.time())
         self.tasks[t.key] = t
         self.exited.set()
         log.warning("event=task_refused job=%s task=%d attempt=%d reason=%r", t.job_id, t.task, t.attempt, reason)
@@ -434,9 +433,13 @@ class Agent:
             job_id, attempt, task = d.parent.parent.name, d.parent.name, d.name
             if not (valid_job_id(job_id) and _number(attempt) and _number(task)) or d.is_symlink():
                 continue
-            if not (d / "started").exists() or (d / "reported").exists():
+            try:
+                record = read_record(d)
+            except StateUnreadable:
+                record = TaskRecord(started=True)  # no pid to trust: its task counts as gone, reported lost
+            if not record.started or record.reported:
                 continue
-            t = Task(job_id, int(attempt), int(task), d, read_pid(d))
+            t = Task(job_id, int(attempt), int(task), d, record.pid)
             self.tasks[t.key] = t
             log.info("event=task_adopted job=%s task=%d alive=%s", job_id, t.task, t.alive())
             order = self.orders.get(job_id)
@@ -447,7 +450,7 @@ class Agent:
                 self.stop(job_id, STOP_GRACE_S)  # it ended while we were away
             elif order.stop_grace_s is not None:
                 self.stop(job_id, order.stop_grace_s)  # asked to stop while we were away
-            elif order.attempt == t.attempt and not (d / START_REPORTED).exists():
+            elif order.attempt == t.attempt and not record.start_reported:
                 self.report_started(t)  # its start report died with the agent that started it
         self.exited.set()  # the vanished ones are reported now
 
@@ -501,7 +504,7 @@ class Agent:
     def report_exit(self, t: Task, now: float | None = None) -> bool:
         """Queue the report of an ended task; False while its keeper has yet to write its exit record."""
         if self.superseded(t):
-            (t.dir / "reported").write_text(json.dumps({"superseded": True}))
+            append_record(t.dir, "reported", superseded=True)
             self.tasks.pop(t.key, None)
             log.info("event=task_exit_superseded job=%s task=%d attempt=%d", t.job_id, t.task, t.attempt)
             return True
@@ -530,7 +533,7 @@ class Agent:
 
         def acked() -> None:
             self.tasks.pop(t.key, None)
-            (t.dir / "reported").write_text(json.dumps({"code": code, "signal": sig}))
+            append_record(t.dir, "reported", code=code, signal=sig)
             log.info("event=task_exited job=%s task=%d attempt=%d code=%s signal=%s interrupted=%s", t.job_id, t.task,
                      t.attempt, code, sig, was_interrupted)
 

@@ -5,10 +5,16 @@
         stdout.log  stderr.log           0600, opened here and handed to the task's keeper as its stdout/stderr
         env.json                         0600, only for a task started without the keeper (its environment goes in
                                          the keeper's request): its own launcher reads and removes it
-        pid  started  exit.json  reported   the agent's and its keeper's (or launcher's) records
+        record                           0600, the agent's: one JSON line per step, appended (``TaskRecord``)
+        exit.json                        its keeper's (or launcher's): how the task ended
         interrupted                      the agent's: its node stopped under the task (the reason)
         work/                            0700, the task's owner's: its cwd and HOME
           tmp/                           0700, its TMPDIR
+
+The agent's steps go in one file, appended to, not one file each: on ext4 every new file is an inode
+allocated, and after many files were removed (within 60 s, 6 min while their inode block is dirty) each
+allocation skips the freed inodes one buffer lookup at a time, 0.1-0.5 ms of CPU a file. A task takes 9 inodes
+(5 directories, 2 logs, its record, its exit) where it took 12.
 
 A root agent runs each task as its owner, so a task can write under ``work/`` only: it can neither
 replace its logs nor forge the agent's records. An agent that is not root runs tasks as itself, and
@@ -18,6 +24,7 @@ links and reads regular files only, so a planted link, FIFO or device is refused
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,6 +34,7 @@ from pathlib import Path
 
 JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,80}$")
 STREAMS = ("stdout", "stderr")
+RECORD = "record"
 AGENT_DIR_MODE = 0o711
 TASK_DIR_MODE = 0o700
 STATE_MAX = 4096
@@ -118,6 +126,58 @@ def write_env(task_dir: Path, env: dict[str, str]) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class TaskRecord:
+    """What the agent recorded of a task: started (with its pid, 0 if it never ran), its start report
+    acknowledged, its exit report acknowledged."""
+    started: bool = False
+    pid: int = 0
+    start_reported: bool = False
+    reported: bool = False
+
+
+def append_record(task_dir: Path, step: str, **fields: object) -> None:
+    """Append one step to the task's record: one write of one line, begun with a newline so that a line cut
+    short (a full disk, a power loss) ends there and is skipped. No link is followed, no FIFO waited on."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(task_dir / RECORD, flags, 0o600)
+    try:
+        os.write(fd, b"\n" + json.dumps({"step": step, **fields}).encode())
+    finally:
+        os.close(fd)
+
+
+def has_record(task_dir: Path) -> bool:
+    """The agent has started (or refused) this task: never start it again."""
+    return (task_dir / RECORD).exists() or (task_dir / "started").exists()
+
+
+def read_record(task_dir: Path) -> TaskRecord:
+    """The task's record; a line that is not a step is skipped. A directory an agent before the record made
+    (files ``pid``, ``started``, ``start_reported``, ``reported``) reads the same. Raises StateUnreadable."""
+    text = read_state(task_dir, RECORD)
+    if text is None:
+        return _legacy_record(task_dir)
+    steps: dict[str, dict] = {}
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            step = json.loads(line)
+            if isinstance(step, dict) and isinstance(step.get("step"), str):
+                steps.setdefault(step["step"], step)
+    pid = steps.get("started", {}).get("pid")
+    return TaskRecord("started" in steps, pid if type(pid) is int and pid > 0 else 0, "start_reported" in steps,
+                      "reported" in steps)
+
+
+def _legacy_record(task_dir: Path) -> TaskRecord:
+    try:
+        text = (read_state(task_dir, "pid") or "").strip()
+    except StateUnreadable:
+        text = ""
+    return TaskRecord((task_dir / "started").exists(), int(text) if text.isascii() and text.isdigit() else 0,
+                      (task_dir / "start_reported").exists(), (task_dir / "reported").exists())
+
+
 def _read_regular(fd: int, limit: int, offset: int = 0) -> bytes | None:
     """At most ``limit`` bytes from ``offset``; None if ``fd`` is no regular file (a FIFO, a device)."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -126,7 +186,7 @@ def _read_regular(fd: int, limit: int, offset: int = 0) -> bytes | None:
 
 
 def read_state(task_dir: Path, name: str, limit: int = STATE_MAX) -> str | None:
-    """A small record in a task directory (``pid``, ``exit.json``); None when there is none.
+    """A small record in a task directory (``record``, ``exit.json``); None when there is none.
 
     Raises StateUnreadable for a link, anything but a regular file, more than ``limit`` bytes or no UTF-8."""
     try:
@@ -147,15 +207,6 @@ def read_state(task_dir: Path, name: str, limit: int = STATE_MAX) -> str | None:
         return data.decode()
     except UnicodeDecodeError:
         raise StateUnreadable(f"{name} is not UTF-8 text") from None
-
-
-def read_pid(task_dir: Path) -> int:
-    """The launcher's pid, or 0 when the record is absent or unreadable (the task then counts as gone)."""
-    try:
-        text = (read_state(task_dir, "pid") or "").strip()
-    except StateUnreadable:
-        return 0
-    return int(text) if text.isascii() and text.isdigit() else 0
 
 
 def read_exit(task_dir: Path) -> ExitRecord | None:

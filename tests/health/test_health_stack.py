@@ -9,6 +9,7 @@ from datetime import datetime
 
 import httpx
 
+from services.inventory.taskdir import read_record
 from shared.eventlog import EventLog
 from tests.builders import job
 from tests.support import in_process_stack, nodes_up, until
@@ -104,7 +105,7 @@ async def test_a_silent_agent_is_lost_within_t_its_job_is_requeued_and_it_rejoin
 
         async def old_task_stopped():
             return (silent.work / "jobs" / job_id).exists() and all(
-                (d / "reported").exists() for d in (silent.work / "jobs" / job_id).glob("*/*"))
+                read_record(d).reported for d in (silent.work / "jobs" / job_id).glob("*/*"))
         await until(old_task_stopped, 15, "the requeued job's old task to be stopped")
         await asyncio.sleep(0.3)  # a wrong report of that exit would fail the job right away
         now = (await client.get(f"/v1/jobs/{job_id}")).json()

@@ -325,6 +325,9 @@ async def test_an_agent_upgraded_under_a_running_task_adopts_what_an_older_agent
         assert read_record(running) == TaskRecord(started=True, pid=live.pid) and has_record(done)
         await agent.adopt()
         assert list(agent.tasks) == ["j-running-1-0"] and agent.tasks["j-running-1-0"].pid == live.pid
+        append_record(running, "start_reported")  # what this agent records once its start report is acknowledged
+        assert read_record(running) == TaskRecord(started=True, pid=live.pid, start_reported=True), \
+            "the next restart still adopts it: steps appended since read with the older agent's files"
         assert live.wait(5) == -signal.SIGTERM, "its job is not known here: stopped, by the pid the old file held"
     finally:
         live.kill()

@@ -1,8 +1,9 @@
 """The node agent: registers its GPUs, heartbeats, samples telemetry, and runs the tasks placed on it.
 
 Each task runs in its own session as a child of the agent's task keeper (``launcher.py --serve``,
-``forker``), in one directory per (job, attempt, task) holding its logs, the agent's record of it (pid, reports) and, at the end, its exit
-as the keeper recorded it (layout: ``taskdir``); the agent, a child subreaper, records the exits of the
+``forker``), in one directory per (job, attempt, task) holding its logs, the agent's record of it (its pid,
+its reports acknowledged) and, at the end, its exit as the keeper recorded it (layout: ``taskdir``); the
+agent, a child subreaper, records the exits of the
 tasks of a keeper that died. The directory is the agent's memory across restarts: a task whose
 directory holds a record is never started again; a restarted agent re-adopts a
 live one and reports a vanished one as lost. A simulated node that powers off with

@@ -155,18 +155,18 @@ def has_record(task_dir: Path) -> bool:
 def read_record(task_dir: Path) -> TaskRecord:
     """The task's record; a line that is not a step is skipped. A directory an agent before the record made
     (files ``pid``, ``started``, ``start_reported``, ``reported``) reads the same. Raises StateUnreadable."""
-    text = read_state(task_dir, RECORD)
-    if text is None:
-        return _legacy_record(task_dir)
     steps: dict[str, dict] = {}
-    for line in text.splitlines():
+    for line in (read_state(task_dir, RECORD) or "").splitlines():
         with contextlib.suppress(ValueError):
             step = json.loads(line)
             if isinstance(step, dict) and isinstance(step.get("step"), str):
                 steps.setdefault(step["step"], step)
-    pid = steps.get("started", {}).get("pid")
-    return TaskRecord("started" in steps, pid if type(pid) is int and pid > 0 else 0, "start_reported" in steps,
-                      "reported" in steps)
+    if "started" not in steps:  # started by an older agent: its files, and the steps appended since
+        old = _legacy_record(task_dir)
+        return TaskRecord(old.started, old.pid, old.start_reported or "start_reported" in steps,
+                          old.reported or "reported" in steps)
+    pid = steps["started"].get("pid")
+    return TaskRecord(True, pid if type(pid) is int and pid > 0 else 0, "start_reported" in steps, "reported" in steps)
 
 
 def _legacy_record(task_dir: Path) -> TaskRecord:

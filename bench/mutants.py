@@ -175,6 +175,10 @@ RULES: dict[str, Rule] = {
                                              "(no flush whose cancelled PONG ends nats-py's read loop)",
                                              ("tests/test_eventlog.py::test_an_append_many_cancelled_at_any_point_"
                                               "leaves_the_connection_working",)),
+    "ended jobs remembered": Rule("an agent forgets ended jobs only past ENDED_KEPT, the earliest ended first, and "
+                                  "never one placed on it again since",
+                                  ("tests/test_agent_containment.py::test_an_agent_keeps_a_bounded_number_of_ended_"
+                                   "jobs_and_never_forgets_one_placed_again",)),
     "a task's record survives": Rule("the agent's record of a task reads every step it appended, past a line cut "
                                      "short, and what an older agent recorded as one file a step",
                                      ("tests/test_agent_containment.py::test_the_agents_record_of_a_task_is_its_"
@@ -436,6 +440,12 @@ MUTANTS: tuple[Mutant, ...] = (
     M("keeper-dies-answering-a-gone-agent", "every exit recorded", "services/inventory/launcher.py",
       "    try:\n        sock.send(text.encode())\n    except OSError:\n        return False\n    return True",
       "    sock.send(text.encode())\n    return True"),
+    M("forgets-by-first-word-not-by-end", "ended jobs remembered", "services/inventory/agent.py",
+      "            self.ended.pop(word.job_id, None)\n            self.ended[word.job_id] = None",
+      "            self.ended.setdefault(word.job_id, None)"),
+    M("forgets-a-job-placed-again", "ended jobs remembered", "services/inventory/agent.py",
+      "if (order := self.orders.get(job_id)) is not None and order.ended:",
+      "if (order := self.orders.get(job_id)) is not None:"),
     M("a-record-step-glued-to-a-cut-line", "a task's record survives", "services/inventory/taskdir.py",
       'os.write(fd, b"\\n" + json.dumps({"step": step, **fields}).encode())',
       'os.write(fd, json.dumps({"step": step, **fields}).encode() + b"\\n")'),

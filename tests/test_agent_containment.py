@@ -262,6 +262,31 @@ def test_a_job_id_that_is_not_one_never_reaches_the_file_system(task: Path, tmp_
         read_task_log(task.parents[3], job_id, 3, 0, "stdout", 0, 100)
 
 
+async def test_an_agent_keeps_a_bounded_number_of_ended_jobs_and_never_forgets_one_placed_again(tmp_path: Path,
+                                                                                                  monkeypatch):
+    import services.inventory.agent as agent_module
+    monkeypatch.setattr(agent_module, "ENDED_KEPT", 3)
+    agent = Agent(build("t4-4x", "n1"), tmp_path / "work")
+
+    async def word(seq: int, job_id: str, ended: bool) -> None:
+        w = WorkOrder(seq=seq, job_id=job_id, ended=ended)
+        await agent.take(f"gpuorch.work.n1.{job_id}", w.model_dump_json().encode())
+
+    for i in range(3):
+        await word(10 + i, f"j-{i}", ended=True)
+    await word(20, "j-0", ended=False)  # requeued and placed here again: running, not ended
+    await word(21, "j-3", ended=True)
+    await word(22, "j-4", ended=True)
+    assert sorted(agent.orders) == ["j-0", "j-2", "j-3", "j-4"], "the earliest ended (j-1) forgotten; j-0 kept"
+    assert not agent.orders["j-0"].ended
+    await word(11, "j-2", ended=False)  # a redelivered older word of a kept ended job
+    assert agent.orders["j-2"].ended and agent.orders["j-2"].seq == 12
+    await word(30, "j-2", ended=True)  # a later word that it ended: it counts from this end
+    await word(31, "j-0", ended=True)
+    await word(32, "j-5", ended=True)
+    assert sorted(agent.orders) == ["j-0", "j-2", "j-5"], "each counts from its latest end: j-3, j-4 forgotten"
+
+
 async def test_a_forged_job_id_makes_the_agent_create_nothing(tmp_path: Path):
     node = build("t4-4x", "n1")
     agent = Agent(node, tmp_path / "work")

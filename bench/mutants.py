@@ -175,6 +175,9 @@ RULES: dict[str, Rule] = {
                                              "(no flush whose cancelled PONG ends nats-py's read loop)",
                                              ("tests/test_eventlog.py::test_an_append_many_cancelled_at_any_point_"
                                               "leaves_the_connection_working",)),
+    "stack files replaced at once": Rule("split.json and stack.json are replaced whole: a reader never finds one "
+                                         "half written", ("tests/test_stack.py::test_split_json_is_never_read_half_"
+                                                          "written_while_a_service_restart_rewrites_it",)),
     "ended jobs remembered": Rule("an agent forgets ended jobs only past ENDED_KEPT, the earliest ended first, and "
                                   "never one placed on it again since",
                                   ("tests/test_agent_containment.py::test_an_agent_keeps_a_bounded_number_of_ended_"
@@ -440,6 +443,8 @@ MUTANTS: tuple[Mutant, ...] = (
     M("keeper-dies-answering-a-gone-agent", "every exit recorded", "services/inventory/launcher.py",
       "    try:\n        sock.send(text.encode())\n    except OSError:\n        return False\n    return True",
       "    sock.send(text.encode())\n    return True"),
+    M("stack-files-rewritten-in-place", "stack files replaced at once", "services/stack_procs.py",
+      '    tmp.write_text(json.dumps(doc, indent=2))\n    tmp.replace(path)', '    path.write_text(json.dumps(doc, indent=2))'),
     M("forgets-by-first-word-not-by-end", "ended jobs remembered", "services/inventory/agent.py",
       "            self.ended.pop(word.job_id, None)\n            self.ended[word.job_id] = None",
       "            self.ended.setdefault(word.job_id, None)"),

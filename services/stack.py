@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from services.dashboard import dashboard_router
 from services.stack_procs import (AGENT_STOP_S, Child, Previous, StackFile, adopt_or_spawn_agents, agent_node,
                                   child_env, durable_of, node_ids, parse_nodes, spawn_agent, start_or_adopt_nats,
-                                  stop_children, stop_stale_services, supervise_nats, wanted_agents)
+                                  stop_children, stop_stale_services, supervise_nats, wanted_agents, write_json)
 from shared import aio
 from shared.api_events import events_router
 from shared.api_tokens import tokens_router
@@ -424,15 +424,19 @@ def _run_split(run: Run) -> None:
     settings, nats_url = run.settings, run.nats_url
     ports = {name: free_port() for name in SERVICES}
     procs = {name: spawn_service(name, nats_url, ports[name], settings, settings.data_dir / "logs") for name in SERVICES}
-    (settings.data_dir / "split.json").write_text(
-        json.dumps({n: {"port": ports[n], "pid": p.pid} for n, p in procs.items()}, indent=2)
-    )
+    _write_split(settings, ports, procs)
     try:
         upstreams = {name: f"http://{settings.host}:{port}" for name, port in ports.items()}
         aio.run(serve_gateway(settings, nats_url, upstreams, _supervise(run, ports, procs), run.signals,
                               lambda evlog: run.stop_agents(evlog, durable_of("scheduler", settings)), run.api_socket))
     finally:
         stop_processes(procs.values())
+
+
+def _write_split(settings: Settings, ports: dict[str, int], procs: dict[str, subprocess.Popen]) -> None:
+    """``<data-dir>/split.json``: each service's port and pid, replaced at once (a restart rewrote it in place, and a
+    reader could find it empty)."""
+    write_json(settings.data_dir / "split.json", {n: {"port": ports[n], "pid": p.pid} for n, p in procs.items()})
 
 
 async def _supervise(run: Run, ports: dict[str, int], procs: dict[str, subprocess.Popen]) -> None:
@@ -449,9 +453,7 @@ async def _supervise(run: Run, ports: dict[str, int], procs: dict[str, subproces
                     log.warning("event=service_died service=%s pid=%d code=%s action=restart", name, proc.pid,
                                 proc.returncode)
                     procs[name] = spawn_service(name, nats_url, ports[name], settings, settings.data_dir / "logs")
-                    (settings.data_dir / "split.json").write_text(
-                        json.dumps({n: {"port": ports[n], "pid": p.pid} for n, p in procs.items()}, indent=2)
-                    )
+                    _write_split(settings, ports, procs)
     finally:
         agents.cancel()
         if nats is not None:

@@ -76,6 +76,13 @@ def _read_json(path: Path) -> dict:
     return doc if isinstance(doc, dict) else {}
 
 
+def write_json(path: Path, doc: dict) -> None:
+    """Replace ``path`` with ``doc`` at once: readers (``gpuorch`` commands, tests) never see half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(path)
+
+
 class StackFile:
     """``<data-dir>/stack.json``: this stack's pid, API, NATS URL and the pids of its nats-server and agents."""
 
@@ -86,9 +93,7 @@ class StackFile:
 
     def write(self, **changes: object) -> None:
         self.info.update(changes)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.info, indent=2))
-        tmp.replace(self.path)  # readers never see half a file
+        write_json(self.path, self.info)
 
 
 # --- processes: ours, or adopted ------------------------------------------------------------

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 
 from bench.workload import workload
 from services.cli import verify_log
-from services.stack import may_send_again, resendable
+from services.stack import _write_split, may_send_again, resendable
 from shared.eventlog import EventLog
 from shared.natsauth import Credentials
 from shared.natsd import free_port
@@ -330,6 +331,29 @@ def test_the_gateway_gives_each_submission_a_key_and_keeps_the_clients():
     for path in ("/v1/nodes/n1/cordon", "/v1/nodes/n1/resume", "/v1/deployments/chat/metrics"):
         untouched = {}
         assert resendable("POST", path, untouched) and untouched == {}, f"{path}: idempotent by design"
+
+
+def test_split_json_is_never_read_half_written_while_a_service_restart_rewrites_it(tmp_path: Path):
+    """CI read it empty once, as the supervisor rewrote it in place after a restart (write_text truncates first)."""
+    from types import SimpleNamespace
+    from shared.settings import Settings
+    settings, written = Settings(data_dir=tmp_path), threading.Event()
+
+    def restarts() -> None:
+        for pid in range(2, 3000):
+            _write_split(settings, {"scheduler": 8001}, {"scheduler": SimpleNamespace(pid=pid)})
+            written.set()
+    writer = threading.Thread(target=restarts)
+    writer.start()
+    written.wait(5)
+    unreadable = 0
+    while writer.is_alive():
+        try:
+            json.loads((tmp_path / "split.json").read_text())
+        except ValueError:
+            unreadable += 1
+    writer.join()
+    assert unreadable == 0, f"{unreadable} reads found split.json half written"
 
 
 def test_a_request_for_a_split_service_that_is_being_restarted_waits_for_it(tmp_path: Path, stacks: list[Stack]):

@@ -100,12 +100,33 @@ async def run(tasks: int, idle_s: float, work: Path) -> dict:
         server.stop()
 
 
+def forget_ended(n: int = 2000) -> float:
+    """Microseconds an agent that holds ENDED_KEPT ended jobs spends taking one more ended word's bookkeeping."""
+    from services.inventory.agent import ENDED_KEPT, Agent
+    from services.inventory.work import WorkOrder
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = Agent(build("t4-4x", "n1"), Path(tmp))
+        for i in range(ENDED_KEPT + n):
+            job_id = f"j-{i}"
+            agent.orders[job_id] = WorkOrder.model_construct(seq=1, job_id=job_id, ended=True)
+            if hasattr(agent, "ended"):  # an agent before issue 15's tenth round scanned its words instead
+                agent.ended[job_id] = None
+            if i == ENDED_KEPT:
+                t0 = time.perf_counter()
+            agent._forget_ended()
+    return 1e6 * (time.perf_counter() - t0) / n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", type=int, default=200)
     ap.add_argument("--idle-seconds", type=float, default=20)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--forget-ended", action="store_true", help="only: the cost of an ended job at ENDED_KEPT held")
     args = ap.parse_args()
+    if args.forget_ended:
+        print(f"{forget_ended():.1f} us an ended job, with ENDED_KEPT ended jobs held")
+        return
     results = []
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:

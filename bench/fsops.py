@@ -1,9 +1,11 @@
 """What the agent's file-system work costs on a file system: CPU and wall microseconds of each kind of operation
 a task's directory takes (``docs/benchmarks/agent.md``).
 
-    python -m bench.fsops [DIR ...]   # default: $TMPDIR (or /tmp) and /dev/shm
+    python -m bench.fsops [DIR ...] [--after-removal N]   # default: $TMPDIR (or /tmp) and /dev/shm
 
-Each operation runs ``--n`` times in a fresh directory under DIR, which is removed afterwards.
+Each operation runs ``--n`` times in a fresh directory under DIR, which is removed afterwards; the last two rows
+are a task's directories and its files as the agent makes them (``taskdir``). ``--after-removal N`` first
+creates and removes N files under DIR: ext4 then skips each recently freed inode when it allocates one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+from services.inventory.taskdir import append_record, make_task_dir, make_workspace, open_log
 
 
 def _cpu() -> float:
@@ -48,6 +53,16 @@ def measure(base: str, n: int) -> dict[str, tuple[float, float]]:
         run("exists (absent)", lambda d: os.path.exists(f"{d}/reported"))
         run("read", lambda d: open(f"{d}/pid").read())
         run("remove the directory", shutil.rmtree)
+        work = Path(root) / "work"
+        run("a task's 5 directories", lambda d: make_workspace(make_task_dir(work, f"j{os.path.basename(d)}", 1, 0),
+                                                                 None))
+
+        def task_files(d: str) -> None:
+            task = work / "jobs" / f"j{os.path.basename(d)}" / "1" / "0"
+            for stream in ("stdout", "stderr"):
+                os.close(open_log(task, stream))
+            append_record(task, "started", pid=1, at=0.0)
+        run("its logs and record", task_files)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return out
@@ -57,7 +72,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dirs", nargs="*", default=[tempfile.gettempdir(), "/dev/shm"])
     ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--after-removal", type=int, default=0, metavar="N")
     args = ap.parse_args()
+    for d in args.dirs:
+        if args.after_removal:
+            churn = tempfile.mkdtemp(prefix="fsops-churn-", dir=d)
+            for i in range(args.after_removal):
+                open(f"{churn}/{i}", "w").close()
+            shutil.rmtree(churn)
     print(f"| operation | {' | '.join(f'{d}: CPU / wall us' for d in args.dirs)} |")
     print(f"|---|{'---|' * len(args.dirs)}")
     results = [measure(d, args.n) for d in args.dirs]

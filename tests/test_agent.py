@@ -7,7 +7,7 @@ import json
 import signal
 
 import httpx
-from services.inventory.taskdir import read_record
+from services.inventory.taskdir import ExitRecord, read_exit, read_record
 from shared import events as ev
 from shared.eventlog import EventLog
 from shared.events import Envelope
@@ -79,7 +79,8 @@ async def test_an_agent_killed_while_its_task_runs_re_adopts_it_and_never_starts
 
 
 async def test_a_finished_task_leaves_its_logs_its_exit_and_one_record_of_the_agents_steps(eventlog: EventLog, agents):
-    """Nine inodes a task, not twelve: the agent's steps are lines appended to one file (``taskdir``)."""
+    """Eight inodes a task, not thirteen: the agent's steps and the keeper's exit are lines appended to one file
+    (``taskdir``)."""
     async with in_process_stack(eventlog) as (client, _):
         agent = agents("a")[0]
         await nodes_up(client, 1)
@@ -92,7 +93,8 @@ async def test_a_finished_task_leaves_its_logs_its_exit_and_one_record_of_the_ag
         record = await until(recorded, 10, "the exit's acknowledgement recorded")
         assert record.started and record.pid > 1
         made = sorted(str(p.relative_to(d)) for p in d.rglob("*"))
-        assert made == ["exit.json", "record", "stderr.log", "stdout.log", "work", "work/tmp"], made
+        assert made == ["record", "stderr.log", "stdout.log", "work", "work/tmp"], made
+        assert read_exit(d) == ExitRecord(0, None), "its exit, as its keeper appended it"
 
 
 async def test_a_task_gone_while_its_agent_was_down_is_reported_lost(eventlog: EventLog, agents):

@@ -19,7 +19,7 @@ import pytest
 from services.inventory.agent import Agent
 from services.inventory.work import WorkOrder
 from services.inventory.runas import RunAs, RunAsRefused, UserMap, UserMapError, load_user_map, resolve
-from services.inventory.taskdir import (LogNotFound, StateUnreadable, TaskRecord, append_record, has_record,
+from services.inventory.taskdir import (ExitRecord, LogNotFound, StateUnreadable, TaskRecord, append_record, has_record,
                                         make_task_dir, make_workspace, read_exit, read_record, read_task_log)
 from shared import events as ev
 from shared.eventlog import EventLog
@@ -325,6 +325,37 @@ def test_the_agents_record_of_a_task_is_its_appended_steps_and_a_line_cut_short_
     assert read_record(task) == TaskRecord(started=True, pid=4242, start_reported=True, reported=True)
 
 
+@pytest.mark.parametrize("line, why", [
+    (b'{"step": "exited", "code": "0"}', "record: exited: code and signal must be integers"),
+    (b'{"step": "exited", "code": 0, "reason": "' + b"x" * 20000 + b'"}', "record is over 16384 bytes"),
+], ids=["a string code", "huge"])
+def test_an_exit_in_the_record_that_cannot_be_trusted_is_unreadable(task: Path, line: bytes, why: str):
+    (task / "exit.json").write_text('{"code": 0}')  # an older keeper's file does not stand in for it
+    with open(task / "record", "ab") as f:
+        f.write(b"\n" + line)
+    with pytest.raises(StateUnreadable, match=why):
+        read_exit(task)
+
+
+def test_a_tasks_exit_is_the_first_exited_step_of_its_record_and_else_an_older_keepers_file(task: Path):
+    assert read_exit(task) is None
+    (task / "exit.json").write_text('{"code": 3}')  # an older keeper, still running under an upgraded agent
+    assert read_exit(task) == ExitRecord(3, None)
+    append_record(task, "started", pid=4242, at=1.0)
+    with open(task / "record", "ab") as f:  # the keeper's line, as launcher._record writes it
+        f.write(b'\n{"step": "exited", "signal": 9}')
+    append_record(task, "exited", code=1)  # a second exit step never rewrites the first
+    assert read_exit(task) == ExitRecord(None, 9)
+    assert read_record(task) == TaskRecord(started=True, pid=4242)
+
+
+def test_a_refusal_reason_is_cut_so_that_the_record_stays_readable(tmp_path: Path):
+    from services.inventory.launcher import _record
+    assert _record(str(tmp_path / "record"), {"code": 126, "reason": "cannot start " + "\u00e9" * 5000})
+    ended = read_exit(tmp_path)
+    assert ended is not None and ended.code == 126 and len(ended.reason) == 500
+
+
 def test_the_agents_record_is_never_written_through_a_link_or_into_a_fifo(task: Path):
     (task / "record").symlink_to(task / "elsewhere")
     with pytest.raises(OSError):
@@ -365,8 +396,8 @@ async def test_a_corrupt_exit_record_is_reported_lost_and_the_next_task_still_re
         await nodes_up(client, 1)
         first = await submit(client, "corrupt", ("sleep", "60"))
         d = await until(lambda: _started(agent, first), 20, "the first task to start")
-        (d / "exit.json").mkdir()  # what its keeper cannot replace with the record
-        (d / "exit.json" / "x").write_text("{not json")
+        with open(d / "record", "ab") as f:  # an exit step that is not one, before its keeper's
+            f.write(b'\n{"step": "exited", "code": "0"}')
         os.killpg(read_record(d).pid, signal.SIGKILL)
         done = await final(client, first)
         assert done["state"] == "failed" and "exit record is unreadable" in done["reason"], done

@@ -42,10 +42,10 @@ from pydantic import ValidationError
 
 from services.inventory.discovery import poll_xid_events, register_xid_events, sample_telemetry
 from services.inventory.forker import Forker
-from services.inventory.launcher import become_subreaper, record_orphan
+from services.inventory.launcher import REASON_MAX, become_subreaper, record_orphan
 from services.inventory.outbox import Outbox, Report
 from services.inventory.runas import RunAs, RunAsRefused, UserMap, agent_account, resolve
-from services.inventory.taskdir import (ExitRecord, LogNotFound, StateUnreadable, TaskRecord, append_record,
+from services.inventory.taskdir import (RECORD, ExitRecord, LogNotFound, StateUnreadable, TaskRecord, append_record,
                                         has_record, make_task_dir, make_workspace, open_log, read_exit, read_record,
                                         read_state, read_task_log, untraversable, valid_job_id)
 from services.inventory.taskenv import base_env, task_env
@@ -361,7 +361,7 @@ class Agent:
         command = list(spec.command) or ["true"]
         out, err = open_log(d, "stdout"), open_log(d, "stderr")
         try:
-            pid = await self.forker.launch_async([*args, str(d / "exit.json"), "--", *command], d, out, err, env)
+            pid = await self.forker.launch_async([*args, str(d / RECORD), "--", *command], d, out, err, env)
         finally:
             os.close(out)
             os.close(err)
@@ -399,7 +399,7 @@ class Agent:
 
     def refuse(self, t: Task, reason: str) -> None:
         """Record the task as ended with REFUSED without starting it: the reaper reports it, once, as any exit."""
-        (t.dir / "exit.json").write_text(json.dumps({"code": REFUSED, "reason": reason}))
+        append_record(t.dir, "exited", code=REFUSED, reason=reason[:REASON_MAX])
         append_record(t.dir, "started", pid=0, at=time.time())
         self.tasks[t.key] = t
         self.exited.set()
@@ -556,7 +556,7 @@ class Agent:
 
     def record_orphan(self, t: Task) -> ExitRecord | None:
         """A task whose keeper died is this agent's child (a subreaper's orphan): reap it and record its exit."""
-        record = record_orphan(t.pid, str(t.dir / "exit.json")) if t.pid > 1 else None
+        record = record_orphan(t.pid, str(t.dir / RECORD)) if t.pid > 1 else None
         if record is None:
             return None  # its keeper's (which writes the record), or it ended before this agent started
         log.warning("event=task_orphan_reaped job=%s task=%d attempt=%d: its keeper had died", t.job_id, t.task,

@@ -1,22 +1,22 @@
 """Run tasks and record how each ended.
 
-    python -I launcher.py [--cwd DIR] [--env-file FILE] [--uid UID --gid GID [--groups G,...]] EXIT_FILE -- CMD...
+    python -I launcher.py [--cwd DIR] [--env-file FILE] [--uid UID --gid GID [--groups G,...]] RECORD -- CMD...
     python -I launcher.py --serve FD [LABEL]
 
 The second form is the agent's task keeper (``forker.Forker`` starts it, one per agent): it reads requests, each
 the first form's arguments, a working directory, the task's environment (in the request: a job's secrets never
 touch the disk) and two descriptors (the task's stdout and stderr), on the SOCK_SEQPACKET socket FD; it starts
-each task as its own child and writes the task's EXIT_FILE when it reaps it.
+each task as its own child and appends the task's exit to its RECORD (the agent's record of it) when it reaps it.
 One long-lived parent for every task costs a task its own fork and exec and nothing else: a per-task Python
 launcher, forked or started afresh, cost 4-6 ms of CPU a task, mostly in page faults (bench.e2e: the largest CPU
 cost of a short job). LABEL is not read: it names the agent in the process list. The first form is one task's
 launcher, for an agent whose keeper cannot serve: it runs CMD as its child and records its exit.
 
 Either runs in a session of its own, so a task outlives an agent that is killed, and a restarted agent
-re-adopts it by its pid and reads its exit from the file. The keeper ends only when the agent is gone and its
+re-adopts it by its pid and reads its exit from the record. The keeper ends only when the agent is gone and its
 last child has ended. If the keeper itself is killed, its tasks run on and the agent, a child subreaper,
 inherits them and records their exits (``agent.Agent``). The keeper and the launcher run as the agent (so they
-can write EXIT_FILE where the task cannot) with the agent's environment; only CMD runs as --uid/--gid with
+can write RECORD where the task cannot) with the agent's environment; only CMD runs as --uid/--gid with
 exactly --groups as its supplementary groups, in --cwd, with the environment read from --env-file (removed once
 read: a job's secrets do not stay on disk, and none of its variables, such as LD_PRELOAD, ever reach this root
 process). CMD leads its own process group (keeper) or stays in the launcher's: a stop is a SIGTERM, then a
@@ -37,6 +37,8 @@ import subprocess
 import sys
 import traceback
 
+REASON_MAX = 500  # characters of a refusal's reason kept (a record is read up to taskdir.STATE_MAX bytes)
+
 
 def _id(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) >= 2**32 - 1:
@@ -51,7 +53,7 @@ def _ids(text: str) -> list[int]:
 @functools.cache  # the forker's one parser, made once (parse_args keeps no state)
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launcher.py")
-    p.add_argument("exit_file")
+    p.add_argument("record")
     p.add_argument("--cwd")
     p.add_argument("--env-file")
     p.add_argument("--uid", type=_id)
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace, cmd: list[str]) -> int:
     else:
         signal.signal(signal.SIGTERM, lambda *_: None)  # the group got it: wait for the task to exit
         result = _result(child.wait())
-    _record(args.exit_file, result)
+    _record(args.record, result)
     return 0
 
 
@@ -166,11 +168,11 @@ def _serve_one(sock: socket.socket, running: dict[int, tuple[subprocess.Popen, s
     except (OSError, ValueError, TypeError, subprocess.SubprocessError) as e:
         with contextlib.suppress(OSError):
             os.write(fds[1], f"gpuorch: cannot start {cmd[0]!r}: {_why(e)}\n".encode())
-        return _reply(sock, "pid 0" if _record(args.exit_file, _refusal(cmd, e)) else
-                      f"error cannot record {args.exit_file}")
+        return _reply(sock, "pid 0" if _record(args.record, _refusal(cmd, e)) else
+                      f"error cannot record {args.record}")
     finally:
         _close(fds)
-    running[proc.pid] = (proc, args.exit_file)
+    running[proc.pid] = (proc, args.record)
     return _reply(sock, f"pid {proc.pid}")
 
 
@@ -204,14 +206,14 @@ def _reap(running: dict[int, tuple[subprocess.Popen, str]]) -> bool:
             return False
         if pid == 0:
             return True
-        proc, exit_file = running.pop(pid, (None, ""))
+        proc, record = running.pop(pid, (None, ""))
         if proc is None:
             continue  # an orphan of some task, or a start that failed after its fork
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: the Popen must not wait for it again
-        _record(exit_file, _result(proc.returncode))
+        _record(record, _result(proc.returncode))
 
 
-def record_orphan(pid: int, exit_file: str) -> dict | None:
+def record_orphan(pid: int, record: str) -> dict | None:
     """For a subreaper that inherited the task ``pid`` from a keeper that died: reap it if it ended and record its
     exit; the record, or None (still running, or not this process's child)."""
     try:
@@ -221,7 +223,7 @@ def record_orphan(pid: int, exit_file: str) -> dict | None:
     if got == 0:
         return None
     result = _result(os.waitstatus_to_exitcode(status))
-    _record(exit_file, result)
+    _record(record, result)
     return result
 
 
@@ -230,12 +232,18 @@ def _result(returncode: int) -> dict:
     return {"code": returncode} if returncode >= 0 else {"signal": -returncode}
 
 
-def _record(exit_file: str, result: dict) -> bool:
-    tmp = exit_file + ".tmp"
+def _record(record: str, result: dict) -> bool:
+    """Append the task's exit to its RECORD as the agent appends its own steps (``taskdir.append_record``): one
+    write of one line under O_APPEND, begun with a newline, no link followed. No file of its own: on ext4 each
+    new file is an inode allocated, and a temporary file renamed was two names a task."""
+    result = {**result, "reason": result["reason"][:REASON_MAX]} if "reason" in result else result
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, exit_file)
+        fd = os.open(record, flags, 0o600)
+        try:
+            os.write(fd, b"\n" + json.dumps({"step": "exited", **result}).encode())
+        finally:
+            os.close(fd)
     except OSError:
         traceback.print_exc()
         return False

@@ -5,16 +5,18 @@
         stdout.log  stderr.log           0600, opened here and handed to the task's keeper as its stdout/stderr
         env.json                         0600, only for a task started without the keeper (its environment goes in
                                          the keeper's request): its own launcher reads and removes it
-        record                           0600, the agent's: one JSON line per step, appended (``TaskRecord``)
-        exit.json                        its keeper's (or launcher's): how the task ended
+        record                           0600, the agent's: one JSON line per step, appended (``TaskRecord``);
+                                         its keeper (or launcher) appends the last, how the task ended
         interrupted                      the agent's: its node stopped under the task (the reason)
         work/                            0700, the task's owner's: its cwd and HOME
           tmp/                           0700, its TMPDIR
 
-The agent's steps go in one file, appended to, not one file each: on ext4 every new file is an inode
-allocated, and after many files were removed (within 60 s, 6 min while their inode block is dirty) each
-allocation skips the freed inodes one buffer lookup at a time, 0.1-0.5 ms of CPU a file. A task takes 9 inodes
-(5 directories, 2 logs, its record, its exit) where it took 12.
+The agent's steps, and the exit its keeper records, go in one file, appended to, not one file each: on ext4
+every new file is an inode allocated, and after many files were removed (within 60 s, 6 min while their inode
+block is dirty) each allocation skips the freed inodes one buffer lookup at a time, 0.1-0.5 ms of CPU a file. A
+task takes 8 inodes (5 directories, 2 logs, its record) where it took 13 (its exit was a file written and
+renamed). A directory that an older agent or keeper wrote (``pid``, ``started``, ... and ``exit.json``) reads the
+same.
 
 A root agent runs each task as its owner, so a task can write under ``work/`` only: it can neither
 replace its logs nor forge the agent's records. An agent that is not root runs tasks as itself, and
@@ -38,6 +40,7 @@ RECORD = "record"
 AGENT_DIR_MODE = 0o711
 TASK_DIR_MODE = 0o700
 STATE_MAX = 4096
+RECORD_MAX = 16384  # a record: four short steps and an exit whose reason is cut to 500 characters
 READ_MAX = 16 << 20
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -129,7 +132,7 @@ def write_env(task_dir: Path, env: dict[str, str]) -> Path:
 @dataclass(frozen=True)
 class TaskRecord:
     """What the agent recorded of a task: started (with its pid, 0 if it never ran), its start report
-    acknowledged, its exit report acknowledged."""
+    acknowledged, its exit report acknowledged (how it ended: ``read_exit``)."""
     started: bool = False
     pid: int = 0
     start_reported: bool = False
@@ -155,18 +158,24 @@ def has_record(task_dir: Path) -> bool:
 def read_record(task_dir: Path) -> TaskRecord:
     """The task's record; a line that is not a step is skipped. A directory an agent before the record made
     (files ``pid``, ``started``, ``start_reported``, ``reported``) reads the same. Raises StateUnreadable."""
-    steps: dict[str, dict] = {}
-    for line in (read_state(task_dir, RECORD) or "").splitlines():
-        with contextlib.suppress(ValueError):
-            step = json.loads(line)
-            if isinstance(step, dict) and isinstance(step.get("step"), str):
-                steps.setdefault(step["step"], step)
+    steps = _steps(task_dir)
     if "started" not in steps:  # started by an older agent: its files, and the steps appended since
         old = _legacy_record(task_dir)
         return TaskRecord(old.started, old.pid, old.start_reported or "start_reported" in steps,
                           old.reported or "reported" in steps)
     pid = steps["started"].get("pid")
     return TaskRecord(True, pid if type(pid) is int and pid > 0 else 0, "start_reported" in steps, "reported" in steps)
+
+
+def _steps(task_dir: Path) -> dict[str, dict]:
+    """The first line of each step in the task's record."""
+    steps: dict[str, dict] = {}
+    for line in (read_state(task_dir, RECORD, RECORD_MAX) or "").splitlines():
+        with contextlib.suppress(ValueError):
+            step = json.loads(line)
+            if isinstance(step, dict) and isinstance(step.get("step"), str):
+                steps.setdefault(step["step"], step)
+    return steps
 
 
 def _legacy_record(task_dir: Path) -> TaskRecord:
@@ -186,7 +195,7 @@ def _read_regular(fd: int, limit: int, offset: int = 0) -> bytes | None:
 
 
 def read_state(task_dir: Path, name: str, limit: int = STATE_MAX) -> str | None:
-    """A small record in a task directory (``record``, ``exit.json``); None when there is none.
+    """A small file in a task directory (``record``, an older keeper's ``exit.json``); None when there is none.
 
     Raises StateUnreadable for a link, anything but a regular file, more than ``limit`` bytes or no UTF-8."""
     try:
@@ -210,7 +219,11 @@ def read_state(task_dir: Path, name: str, limit: int = STATE_MAX) -> str | None:
 
 
 def read_exit(task_dir: Path) -> ExitRecord | None:
-    """How the task ended, as its launcher recorded it; None if it recorded nothing. Raises StateUnreadable."""
+    """How the task ended, as its keeper (or launcher) recorded it: the ``exited`` step of its record, or the
+    ``exit.json`` an older keeper wrote; None if it recorded nothing. Raises StateUnreadable."""
+    steps = _steps(task_dir)
+    if "exited" in steps:
+        return _exit(steps["exited"], "record: exited")
     text = read_state(task_dir, "exit.json")
     if text is None:
         return None
@@ -218,11 +231,15 @@ def read_exit(task_dir: Path) -> ExitRecord | None:
         d = json.loads(text)
     except ValueError:
         raise StateUnreadable("exit.json is not JSON") from None
+    return _exit(d, "exit.json")
+
+
+def _exit(d: object, where: str) -> ExitRecord:
     if not isinstance(d, dict):
-        raise StateUnreadable("exit.json is not an object")
+        raise StateUnreadable(f"{where} is not an object")
     code, sig, reason = d.get("code"), d.get("signal"), d.get("reason", "")
     if not all(v is None or type(v) is int for v in (code, sig)) or not isinstance(reason, str):
-        raise StateUnreadable("exit.json: code and signal must be integers, reason a string")
+        raise StateUnreadable(f"{where}: code and signal must be integers, reason a string")
     return ExitRecord(code, sig, reason[:1000])
 
 

@@ -38,7 +38,7 @@ async def launched(forker: Forker, d: Path, *command: str, env: dict[str, str] |
     out = os.open(d / "stdout.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     err = os.open(d / "stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        return await forker.launch_async([str(d / "exit.json"), "--", *command], d, out, err, env)
+        return await forker.launch_async([str(d / "record"), "--", *command], d, out, err, env)
     finally:
         os.close(out)
         os.close(err)
@@ -59,7 +59,15 @@ def until(check, timeout: float = 10.0):
 
 
 def exit_record(d: Path) -> dict:
-    return json.loads(until(lambda: (d / "exit.json").exists() and (d / "exit.json").read_text()))
+    """The exit the keeper appended to the task's record (its ``exited`` line), once it is there."""
+    return until(lambda: exited((d / "record").read_text() if (d / "record").exists() else ""))
+
+
+def exited(text: str) -> dict | None:
+    for line in text.splitlines():
+        if line and (step := json.loads(line)).pop("step") == "exited":
+            return step
+    return None
 
 
 def gone(pid: int) -> bool:
@@ -107,12 +115,12 @@ assert become_subreaper()
 d = Path(sys.argv[1])
 forker = Forker("orphans")
 out = os.open(d / "stdout.log", os.O_WRONLY | os.O_CREAT, 0o600)
-pid = asyncio.run(forker.launch_async([str(d / "exit.json"), "--", "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 7"], d, out, out))
+pid = asyncio.run(forker.launch_async([str(d / "record"), "--", "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 7"], d, out, out))
 os.kill(forker.proc.pid, signal.SIGKILL)  # as the OOM killer would
 forker.proc.wait()
 print(pid, flush=True)
 deadline = time.monotonic() + 20
-while (record := record_orphan(pid, str(d / "exit.json"))) is None and time.monotonic() < deadline:
+while (record := record_orphan(pid, str(d / "record"))) is None and time.monotonic() < deadline:
     time.sleep(0.01)
 print(json.dumps(record), flush=True)
 """
@@ -128,7 +136,7 @@ def test_tasks_outlive_their_keeper_and_its_subreaper_records_their_exits(forker
     try:
         pid = int(agent.stdout.readline())
         assert not gone(pid), "the task runs on"
-        assert not (first / "exit.json").exists()
+        assert not (first / "record").exists()
         launch(forker, second, "true")
         assert exit_record(second) == {"code": 0}, "a new keeper started the next task"
         (first / "go").touch()
@@ -167,7 +175,7 @@ def test_a_malformed_request_is_answered_and_the_forker_serves_on(forker, tmp_pa
     assert forker.sock.recv(4096).startswith(b"error ")
     socket.send_fds(forker.sock, [b"{}"], [0])
     assert forker.sock.recv(4096).startswith(b"error "), "two descriptors or none"
-    (tmp_path / "exit.json").unlink()
+    (tmp_path / "record").unlink()
     launch(forker, tmp_path, "true")
     assert exit_record(tmp_path) == {"code": 0}
 
@@ -201,15 +209,14 @@ def test_the_forker_refuses_bad_arguments_before_it_forks(forker: Forker, tmp_pa
     out = os.open(tmp_path / "stdout.log", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         with pytest.raises(OSError, match="bad launcher arguments"):
-            request(forker, ["--uid", "nobody", str(tmp_path / "exit.json"), "--", "true"], tmp_path, out)
+            request(forker, ["--uid", "nobody", str(tmp_path / "record"), "--", "true"], tmp_path, out)
         with pytest.raises(OSError, match="bad launcher arguments"):
-            request(forker, [str(tmp_path / "exit.json"), "--"], tmp_path, out)  # no command
+            request(forker, [str(tmp_path / "record"), "--"], tmp_path, out)  # no command
     finally:
         os.close(out)
-    assert not (tmp_path / "exit.json").exists() and forker.proc is not None and forker.proc.poll() is None
+    assert not (tmp_path / "record").exists() and forker.proc is not None and forker.proc.poll() is None
     launch(forker, tmp_path, "sh", "-c", "exit 3")
-    until(lambda: (tmp_path / "exit.json").exists())
-    assert json.loads((tmp_path / "exit.json").read_text()) == {"code": 3}
+    assert exit_record(tmp_path) == {"code": 3}
 
 
 async def test_an_agent_awaits_the_keepers_answer_without_blocking_its_loop(forker, tmp_path):
@@ -230,7 +237,7 @@ async def test_an_agent_awaits_the_keepers_answer_without_blocking_its_loop(fork
         d.mkdir()
     out = os.open(tmp_path / "out.log", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        pids = await asyncio.gather(*(forker.launch_async([str(d / "exit.json"), "--", "sh", "-c", f"exit {i}"], d,
+        pids = await asyncio.gather(*(forker.launch_async([str(d / "record"), "--", "sh", "-c", f"exit {i}"], d,
                                                           out, out) for i, d in enumerate(dirs)))
     finally:
         os.close(out)
@@ -244,19 +251,16 @@ def test_a_tasks_environment_goes_in_the_request_and_never_touches_the_disk(fork
     launch(forker, tmp_path, "/bin/sh", "-c", 'echo "$SECRET $HOME"', env={"SECRET": "s-1", "HOME": "/h"})
     assert exit_record(tmp_path) == {"code": 0}
     assert (tmp_path / "stdout.log").read_text() == "s-1 /h\n"
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["exit.json", "stderr.log", "stdout.log"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["record", "stderr.log", "stdout.log"]
     out = os.open(tmp_path / "x.log", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        forker._send([str(tmp_path / "bad.json"), "--", "true"], tmp_path, out, out, {"A": 1})  # type: ignore[dict-item]
+        forker._send([str(tmp_path / "bad-record"), "--", "true"], tmp_path, out, out, {"A": 1})  # type: ignore[dict-item]
         answer = _answer(forker.sock.recv(4096))
     finally:
         os.close(out)
-    assert answer == 0 and json.loads(exit_record_at(tmp_path / "bad.json"))["code"] == 126, \
+    refused = until(lambda: exited((tmp_path / "bad-record").read_text() if (tmp_path / "bad-record").exists() else ""))
+    assert answer == 0 and refused["code"] == 126, \
         "an environment that is not strings is refused, and recorded as a task that could not start"
-
-
-def exit_record_at(path: Path) -> str:
-    return until(lambda: path.exists() and path.read_text())
 
 
 def test_an_environment_too_large_for_one_request_goes_by_a_file_the_keeper_removes(forker, tmp_path):
@@ -276,13 +280,13 @@ async def test_a_launch_cancelled_while_it_awaits_the_answer_leaves_no_answer_fo
     second.mkdir()
     out = os.open(second / "stdout.log", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        pending = asyncio.create_task(forker.launch_async([str(first / "exit.json"), "--", "true"], first, out, out))
+        pending = asyncio.create_task(forker.launch_async([str(first / "record"), "--", "true"], first, out, out))
         await asyncio.sleep(0)  # sent, awaiting the answer
         pending.cancel()
         with pytest.raises(asyncio.CancelledError):
             await pending
         assert exit_record(first) == {"code": 0}, "its keeper started it and recorded it, though its agent left"
-        pid = await forker.launch_async([str(second / "exit.json"), "--", "sh", "-c", "echo $$; exit 6"], second,
+        pid = await forker.launch_async([str(second / "record"), "--", "sh", "-c", "echo $$; exit 6"], second,
                                         out, out)
     finally:
         os.close(out)

@@ -139,7 +139,8 @@ async def test_an_exit_whose_record_lags_is_reported_with_its_code_and_one_never
     try:
         await asyncio.sleep(0.05)
         assert not t.reporting, "no record yet: nothing reported"
-        (t.dir / "exit.json").write_text('{"code": 5}')
+        with open(t.dir / "record", "ab") as f:  # as its keeper appends it
+            f.write(b'\n{"step": "exited", "code": 5}')
         deadline = time.monotonic() + REAP_IDLE_S / 2
         while not t.reporting and time.monotonic() < deadline:
             await asyncio.sleep(0.01)

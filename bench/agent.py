@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from bench import e2e
+from bench.fsops import describe_fs
 from services.stack import build_service
 from shared import events as ev
 from shared.eventlog import EventLog
@@ -128,6 +129,7 @@ def main() -> None:
         print(f"{forget_ended():.1f} us an ended job, with ENDED_KEPT ended jobs held")
         return
     results = []
+    print(f"task directories (TMPDIR) on {describe_fs(os.path.realpath(tempfile.gettempdir()))}")
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
             r = asyncio.run(run(args.tasks, args.idle_seconds, Path(tmp)))

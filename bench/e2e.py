@@ -62,6 +62,7 @@ from pathlib import Path
 import httpx
 
 from bench.chaos import ENV, Stack, kill
+from bench.fsops import describe_fs
 
 WORKLOADS = {"1gpu": [1], "mix": [1, 1, 2, 4, 8]}
 SUBMITTERS = 8
@@ -687,6 +688,7 @@ def median_of(runs: list[dict]) -> dict:
 def run_all(rows: list[Row], workloads: list[str], jobs: int, repeats: int, profile: bool,
             show_timeline: bool = False) -> dict:
     out: dict = {"cores": os.cpu_count(), "jobs": jobs, "repeats": repeats, "submitters": SUBMITTERS,
+                 "files_on": describe_fs(os.path.realpath(tempfile.gettempdir())),
                  "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "rows": {}}
     if any(r.system == "slurm" for r in rows):
@@ -725,7 +727,7 @@ def run_all(rows: list[Row], workloads: list[str], jobs: int, repeats: int, prof
 def show(out: dict) -> None:
     print(f"e2e: {out['jobs']} jobs per run, {out['submitters']} parallel submitters, medians of {out['repeats']} "
           f"runs, {out['cores']} cores (os.cpu_count()), load {out['load_before'][0]:.1f} before / "
-          f"{out['load_after'][0]:.1f} after")
+          f"{out['load_after'][0]:.1f} after; run files (TMPDIR) on {out.get('files_on', '?')}")
     print("| row | scheduler | workload | submitted/s | finished/s | submit->placed p50 / p99 s | "
           "submit->start p50 / p99 s |")
     print("|---|---|---|---|---|---|---|")

@@ -183,9 +183,14 @@ RULES: dict[str, Rule] = {
                                   ("tests/test_agent_containment.py::test_an_agent_keeps_a_bounded_number_of_ended_"
                                    "jobs_and_never_forgets_one_placed_again",)),
     "a task's record survives": Rule("the agent's record of a task reads every step it appended, past a line cut "
-                                     "short, and what an older agent recorded as one file a step",
+                                     "short, and what an older agent recorded as one file a step; its exit is the "
+                                     "first the keeper appended, or an older keeper's exit.json, and always fits",
                                      ("tests/test_agent_containment.py::test_the_agents_record_of_a_task_is_its_"
                                       "appended_steps_and_a_line_cut_short_is_skipped",
+                                      "tests/test_agent_containment.py::test_a_tasks_exit_is_the_first_exited_step_of_"
+                                      "its_record_and_else_an_older_keepers_file",
+                                      "tests/test_agent_containment.py::test_a_refusal_reason_is_cut_so_that_the_"
+                                      "record_stays_readable",
                                       "tests/test_agent_containment.py::test_an_agent_upgraded_under_a_running_task_"
                                       "adopts_what_an_older_agent_recorded")),
 }
@@ -460,6 +465,12 @@ MUTANTS: tuple[Mutant, ...] = (
       '    if "started" not in steps:  # started by an older agent', '    if False:  # started by an older agent'),
     M("an-upgrade-forgets-the-steps-since", "a task's record survives", "services/inventory/taskdir.py",
       'old.start_reported or "start_reported" in steps', 'old.start_reported'),
+    M("an-older-keepers-exit-ignored", "a task's record survives", "services/inventory/taskdir.py",
+      '    text = read_state(task_dir, "exit.json")', '    text = None'),
+    M("a-later-exit-step-wins", "a task's record survives", "services/inventory/taskdir.py",
+      '                steps.setdefault(step["step"], step)', '                steps[step["step"]] = step'),
+    M("a-refusal-reason-uncut", "a task's record survives", "services/inventory/launcher.py",
+      '    result = {**result, "reason": result["reason"][:REASON_MAX]} if "reason" in result else result', ''),
     M("a-lagging-record-reported-lost", "every exit recorded", "services/inventory/agent.py",
       "            if now < t.record_due:", "            if False:"),
     M("folds-run-under-a-reader", "no fold under a reader", "shared/runtime.py",

@@ -2,6 +2,7 @@
 
     python -m bench.e2e [--json [FILE]] [--jobs 500] [--repeats 3] [--only gpuorch|slurm] [--rows ROW,...] [--profile]
                         [--timeline]
+    python -m bench.e2e --idle SECONDS   # only: what an idle 16-node stack's processes spend
 
 Workloads (``--workloads``): ``1gpu``, jobs of `true` asking 1 GPU each; ``mix``, the same command asking
 1,1,2,4,8 GPUs in turn. Always 8 parallel submitters. Each run starts its scheduler afresh, submits ``--jobs``
@@ -764,6 +765,23 @@ def show(out: dict) -> None:
                       f"{g / m['finished_per_s']:.2f}x")
 
 
+async def idle_cpu(nodes: int, seconds: float, settle: float = 10.0) -> dict[str, float]:
+    """% of one core that each kind of process of an idle one-process stack of ``nodes`` nodes spends: what
+    simulating the nodes on one machine costs the rows before any job (heartbeats, telemetry, XID watches)."""
+    with tempfile.TemporaryDirectory(prefix="e2e-idle-") as tmp:
+        stack = Stack(Path(tmp) / "data", f"dgx-h100:{nodes}", split=False)
+        stack.start()
+        try:
+            await stack.until_ready(240)
+            await asyncio.sleep(settle)
+            before, t = stack_cpu(stack), time.monotonic()
+            await asyncio.sleep(seconds)
+            after, dt = stack_cpu(stack), time.monotonic() - t
+        finally:
+            stack.stop()
+    return {k: 100 * (v - before.get(k, 0.0)) / dt for k, v in after.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=500)
@@ -775,7 +793,14 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true",
                     help="print (to stderr) CPU busy and jobs placed/started/exited/succeeded per quarter second")
     ap.add_argument("--json", nargs="?", const="-", help="print (or write to this file) the figures as JSON")
+    ap.add_argument("--idle", type=float, metavar="SECONDS",
+                    help="only: the CPU of an idle 16-node stack over SECONDS (after 10 s of settling)")
     args = ap.parse_args()
+    if args.idle:
+        cpu = asyncio.run(idle_cpu(16, args.idle))
+        print(f"idle stack, dgx-h100:16, {args.idle:g} s: " + ", ".join(f"{k} {v:.1f} %" for k, v in cpu.items())
+              + " of one core")
+        return
     rows = [r for r in ROWS if (not args.only or r.system == args.only)
             and (not args.rows or r.name in args.rows.split(","))]
     if not rows:

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import traceback
 
-REASON_MAX = 500  # characters of a refusal's reason kept (a record is read up to taskdir.STATE_MAX bytes)
+REASON_MAX = 500  # characters of a refusal's reason kept (a record is read up to taskdir.RECORD_MAX bytes)
 
 
 def _id(text: str) -> int:
@@ -234,8 +234,8 @@ def _result(returncode: int) -> dict:
 
 def _record(record: str, result: dict) -> bool:
     """Append the task's exit to its RECORD as the agent appends its own steps (``taskdir.append_record``): one
-    write of one line under O_APPEND, begun with a newline, no link followed. No file of its own: on ext4 each
-    new file is an inode allocated, and a temporary file renamed was two names a task."""
+    write of one line under O_APPEND, begun with a newline, no link followed. No file of its own: each new file
+    is an inode allocated, and a temporary file renamed was two names a task."""
     result = {**result, "reason": result["reason"][:REASON_MAX]} if "reason" in result else result
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:

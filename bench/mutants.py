@@ -182,6 +182,9 @@ RULES: dict[str, Rule] = {
                                   "never one placed on it again since",
                                   ("tests/test_agent_containment.py::test_an_agent_keeps_a_bounded_number_of_ended_"
                                    "jobs_and_never_forgets_one_placed_again",)),
+    "secrets never shown": Rule("a job's secret_env values never leave the API in clear, and masking them never "
+                                "changes the spec the job keeps",
+                                ("tests/test_auth.py::test_secret_env_values_are_stored_but_never_shown",)),
     "a task's record survives": Rule("the agent's record of a task reads every step it appended, past a line cut "
                                      "short, and what an older agent recorded as one file a step; its exit is the "
                                      "first the keeper appended, or an older keeper's exit.json, and always fits",
@@ -465,6 +468,11 @@ MUTANTS: tuple[Mutant, ...] = (
       '    if "started" not in steps:  # started by an older agent', '    if False:  # started by an older agent'),
     M("an-upgrade-forgets-the-steps-since", "a task's record survives", "services/inventory/taskdir.py",
       'old.start_reported or "start_reported" in steps', 'old.start_reported'),
+    M("a-secret-shown-in-a-job-view", "secrets never shown", "services/scheduler/api.py",
+      '"spec": redact(job.spec_json()) if job.spec.secret_env else job.spec_json(),', '"spec": job.spec_json(),'),
+    M("a-job-view-masks-the-kept-dump", "secrets never shown", "services/scheduler/api.py",
+      '"spec": redact(job.spec_json()) if job.spec.secret_env else job.spec_json(),',
+      '"spec": job.spec_json().update(secret_env={k: "<redacted>" for k in job.spec.secret_env}) or job.spec_json(),'),
     M("an-older-keepers-exit-ignored", "a task's record survives", "services/inventory/taskdir.py",
       '    text = read_state(task_dir, "exit.json")', '    text = None'),
     M("a-later-exit-step-wins", "a task's record survives", "services/inventory/taskdir.py",

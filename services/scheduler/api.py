@@ -46,7 +46,8 @@ def job_view(job: JobRecord, live_reason: str | None = None) -> dict[str, Any]:
         "tasks": job.spec.tasks,
         "gpus_per_task": job.spec.resources.gpus,
         "owner": job.owner or None,
-        "spec": redact(job.spec.model_dump(mode="json")),
+        # the record's spec dumped once (a spec is frozen), shared: masked in a copy only where it holds secrets
+        "spec": redact(job.spec_json()) if job.spec.secret_env else job.spec_json(),
         "placement": [
             {"task": p.task, "node": p.node_id, "gpus": [g.uuid for g in p.gpus], "shares": [g.milli for g in p.gpus]}
             for p in job.placements

@@ -2,6 +2,7 @@
 
     python -m bench.backlog                 # 20,000 jobs (about 5 minutes on 2 cores: the flood takes most)
     python -m bench.backlog --jobs 5000 --json backlog.json
+    python -m bench.backlog --views         # only: ms to build a page of 100 job views (no stack)
 
 `gpuorch up` (one t4-4x node: four GPUs) on a fresh data dir; 20,000 one-GPU `sleep 3600` jobs are submitted
 by concurrent clients (arrays of ``--batch`` elements), so four run and the rest wait. Meanwhile and afterwards,
@@ -155,6 +156,25 @@ def show(out: dict) -> None:
           f"{BEFORE['restart_clean_s']} s clean / {BEFORE['restart_sigkill_s']} s after SIGKILL")
 
 
+def view_page_ms(pages: int = 30) -> float:
+    """Median ms to build the views of a page of 100 jobs (``job_view``, what ``GET /v1/jobs`` returns), each job
+    viewed before: a page polled again, as the bench's clients and a dashboard do."""
+    from services.scheduler.api import job_view
+    from shared.cluster import JobRecord
+    from shared.model import JobSpec
+
+    spec = JobSpec.model_validate({"name": "bench", "command": ["python", "train.py", "--epochs", "3"],
+                                   "env": {"A": "1", "B": "2"}, "resources": {"gpus": 1}})
+    records = [JobRecord(f"j-{i}", spec, state="queued") for i in range(100)]
+    times = []
+    for _ in range(pages):
+        t = time.perf_counter()
+        for r in records:
+            job_view(r)
+        times.append(1000 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=20_000)
@@ -163,7 +183,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=100, help="samples of each page kind after the flood")
     ap.add_argument("--restarts", type=int, default=1, help="restarts of each kind (their median; 3 for the doc)")
     ap.add_argument("--json", nargs="?", const="-", help="print (or write to this file) the figures as JSON")
+    ap.add_argument("--views", action="store_true", help="only: ms to build a page of 100 job views, no stack")
     args = ap.parse_args()
+    if args.views:
+        print(f"a page of 100 job views: {view_page_ms():.2f} ms (median of 30 pages)")
+        return
     with tempfile.TemporaryDirectory(prefix="backlog-") as tmp:
         out = asyncio.run(run(args.jobs, args.batch, args.clients, args.rounds, args.restarts, Path(tmp)))
     if args.json == "-":

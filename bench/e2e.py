@@ -687,7 +687,9 @@ def median_of(runs: list[dict]) -> dict:
 
 
 def run_all(rows: list[Row], workloads: list[str], jobs: int, repeats: int, profile: bool,
-            show_timeline: bool = False) -> dict:
+            show_timeline: bool = False, partial: Path | None = None) -> dict:
+    """Every run of every row; ``partial``: the runs so far written there as JSON after each run (a run that fails,
+    a disk that fills, a Ctrl-C, loses only itself: an invocation takes 10-15 minutes)."""
     out: dict = {"cores": os.cpu_count(), "jobs": jobs, "repeats": repeats, "submitters": SUBMITTERS,
                  "files_on": describe_fs(os.path.realpath(tempfile.gettempdir())),
                  "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -718,6 +720,8 @@ def run_all(rows: list[Row], workloads: list[str], jobs: int, repeats: int, prof
                         f"{r['start_p99_s']:.2f} s ({time.monotonic() - t:.0f} s, load {r['load']:.1f})")
                     out["rows"].setdefault(row.name, {"describe": row.describe(), "runs": {}})["runs"] \
                         .setdefault(wl, []).append(r)
+                    if partial is not None:
+                        partial.write_text(json.dumps({**out, "partial": True}, indent=2))
     for name, row in out["rows"].items():
         row["median"] = {wl: median_of(runs) for wl, runs in row["runs"].items()}
     out["load_after"] = os.getloadavg()
@@ -809,7 +813,8 @@ def main() -> None:
     def interrupted(signum, frame):  # SIGTERM as Ctrl-C: unwind through every finally (stop the stacks)
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupted)
-    out = run_all(rows, args.workloads.split(","), args.jobs, args.repeats, args.profile, args.timeline)
+    partial = Path(args.json) if args.json and args.json != "-" else None
+    out = run_all(rows, args.workloads.split(","), args.jobs, args.repeats, args.profile, args.timeline, partial)
     if args.json == "-":
         print(json.dumps(out, indent=2))
     else:

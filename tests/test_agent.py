@@ -79,8 +79,8 @@ async def test_an_agent_killed_while_its_task_runs_re_adopts_it_and_never_starts
 
 
 async def test_a_finished_task_leaves_its_logs_its_exit_and_one_record_of_the_agents_steps(eventlog: EventLog, agents):
-    """Eight inodes a task, not thirteen: the agent's steps and the keeper's exit are lines appended to one file
-    (``taskdir``)."""
+    """Eight inodes a task, not nine (twelve before the record): the agent's steps and the keeper's exit are lines
+    appended to one file (``taskdir``)."""
     async with in_process_stack(eventlog) as (client, _):
         agent = agents("a")[0]
         await nodes_up(client, 1)

@@ -58,9 +58,9 @@ def until(check, timeout: float = 10.0):
     return found
 
 
-def exit_record(d: Path) -> dict:
+def exit_record(d: Path, name: str = "record") -> dict:
     """The exit the keeper appended to the task's record (its ``exited`` line), once it is there."""
-    return until(lambda: exited((d / "record").read_text() if (d / "record").exists() else ""))
+    return until(lambda: exited((d / name).read_text() if (d / name).exists() else ""))
 
 
 def exited(text: str) -> dict | None:
@@ -258,8 +258,7 @@ def test_a_tasks_environment_goes_in_the_request_and_never_touches_the_disk(fork
         answer = _answer(forker.sock.recv(4096))
     finally:
         os.close(out)
-    refused = until(lambda: exited((tmp_path / "bad-record").read_text() if (tmp_path / "bad-record").exists() else ""))
-    assert answer == 0 and refused["code"] == 126, \
+    assert answer == 0 and exit_record(tmp_path, "bad-record")["code"] == 126, \
         "an environment that is not strings is refused, and recorded as a task that could not start"
 
 

@@ -133,7 +133,7 @@ async def run(jobs: int, batch: int, clients: int, rounds: int, restarts: int, d
         after = await measure(stack, None, rounds, depth)
         restarts_out = {how: [await restart(stack, how) for _ in range(restarts)] for how in ("sigint", "sigkill")}
         count = len((await stack.api.get("/v1/jobs", params={"limit": 1000})).json())
-        return {"cores": os.cpu_count(), "jobs": jobs, "flood_s": round(flood_s, 1), "flood_503": slow,
+        return {"cores": len(os.sched_getaffinity(0)), "jobs": jobs, "flood_s": round(flood_s, 1), "flood_503": slow,
                 "first_page_after_restart": count, "during": during, "after": after, "restart": {
                     how: {"readyz_s": statistics.median(r["readyz_s"] for r in rs),
                           "all_ready_s": statistics.median(r["all_ready_s"] for r in rs), "runs": rs}

@@ -690,7 +690,7 @@ def run_all(rows: list[Row], workloads: list[str], jobs: int, repeats: int, prof
             show_timeline: bool = False, partial: Path | None = None) -> dict:
     """Every run of every row; ``partial``: the runs so far written there as JSON after each run (a run that fails,
     a disk that fills, a Ctrl-C, loses only itself: an invocation takes 10-15 minutes)."""
-    out: dict = {"cores": os.cpu_count(), "jobs": jobs, "repeats": repeats, "submitters": SUBMITTERS,
+    out: dict = {"cores": len(os.sched_getaffinity(0)), "jobs": jobs, "repeats": repeats, "submitters": SUBMITTERS,
                  "files_on": describe_fs(os.path.realpath(tempfile.gettempdir())),
                  "load_before": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "rows": {}}
@@ -731,7 +731,7 @@ def run_all(rows: list[Row], workloads: list[str], jobs: int, repeats: int, prof
 
 def show(out: dict) -> None:
     print(f"e2e: {out['jobs']} jobs per run, {out['submitters']} parallel submitters, medians of {out['repeats']} "
-          f"runs, {out['cores']} cores (os.cpu_count()), load {out['load_before'][0]:.1f} before / "
+          f"runs, {out['cores']} cores (this process's CPU affinity), load {out['load_before'][0]:.1f} before / "
           f"{out['load_after'][0]:.1f} after; run files (TMPDIR) on {out.get('files_on', '?')}")
     print("| row | scheduler | workload | submitted/s | finished/s | submit->placed p50 / p99 s | "
           "submit->start p50 / p99 s |")

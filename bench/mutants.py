@@ -131,6 +131,9 @@ RULES: dict[str, Rule] = {
                                 ("tests/inventory/test_forker.py", "tests/inventory/test_reaper_wake.py")),
     "no fold under a reader": Rule("while a thread reads the projection (a snapshot, a cycle) no fold runs",
                                    ("tests/test_cycle_thread.py", "tests/test_snapshot_thread.py")),
+    "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
+                                              "the others ride on their folds, and each watch sees an event once",
+                                              ("tests/test_fold_once.py",)),
     "admission verdicts renewed": Rule("a kept admission verdict ends when a node, GPU, queue or pool event arrives",
                                        ("tests/test_scheduler_stack.py",)),
     "decide beside the folds": Rule("the core decides on the cycle's copy while folds go on; only the read holds "
@@ -483,6 +486,11 @@ MUTANTS: tuple[Mutant, ...] = (
       "            if now < t.record_due:", "            if False:"),
     M("folds-run-under-a-reader", "no fold under a reader", "shared/runtime.py",
       "        fold.readers += 1\n        fold.open.clear()\n", "        fold.readers += 1\n"),
+    M("every-service-consumes", "one delivery per reacting service", "shared/runtime.py",
+      "        return self.reaction is None and any(", "        return False and any("),
+    M("a-watch-on-every-delivery", "one delivery per reacting service", "shared/runtime.py",
+      "        if first and env is not None:\n            self._watched(env)",
+      "        if env is not None:\n            self._watched(env)"),
     M("admission-verdicts-kept-forever", "admission verdicts renewed", "services/scheduler/projection.py",
       "            self.shape_version = next(_VERSIONS)\n        return changed", "            pass\n        return changed"),
     M("decide-under-the-held-folds", "decide beside the folds", "services/scheduler/service.py",

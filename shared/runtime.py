@@ -183,12 +183,16 @@ class Service:
         exclusive: bool = True,
         follows_log: bool = True,
         reactions_at_once: int = 1,
+        watch: Callable[[Envelope], None] | None = None,
     ) -> None:
         """``snapshots``: where this service keeps its snapshot (default: the bus's object store); ``exclusive``:
         hold the instance name while running (``shared.instance``), so that no two processes share a consumer;
         ``follows_log``: False for a process that reads no event log (a node agent): only its timers run;
         ``reactions_at_once``: reactions that may run together, each settling its own event, while the folds go on
-        in order (for a reaction that is correct in any order, such as inventory's work writes)."""
+        in order (for a reaction that is correct in any order, such as inventory's work writes); ``watch``: called
+        with each event as this process first folds it, live (not on replay, not again on a redelivery), by
+        whichever service of the process delivered it: for what needs no delivery guarantee (wake a loop, note a
+        trace). A service whose only reaction is a watch needs no consumer beside one that has a reaction."""
         self.name = name
         self.exclusive = exclusive
         self.follows_log = follows_log
@@ -201,6 +205,7 @@ class Service:
         self.fold.services.append(self)
         self.state_keys: frozenset[str] | None = None  # this service's part of a shared projection's state
         self.reaction = reaction
+        self.watch = watch
         self.timers = timers or []
         self.router_factory = router
         self.snapshot_every = snapshot_every
@@ -266,19 +271,30 @@ class Service:
         timers = self._start_timers()
         self.fold.running += 1
         try:
-            await log_.consume(
-                f"svc-{self.name}-{self.instance}" if self.instance else f"svc-{self.name}",
-                self._on_message,
-                start_seq=self.projection.seq + 1,
-                max_deliver=self.max_deliver,
-                stop=self.stop_event,
-            )
+            if self.rides_along():
+                await self.stop_event.wait()
+            else:
+                await log_.consume(
+                    f"svc-{self.name}-{self.instance}" if self.instance else f"svc-{self.name}",
+                    self._on_message,
+                    start_seq=self.projection.seq + 1,
+                    max_deliver=self.max_deliver,
+                    stop=self.stop_event,
+                )
         finally:
             await self.reacting.drain(5)  # reactions under way settle their events (or come again at the next start)
             await self._stop_timers(timers)
             self.fold.running -= 1
             if not self.fold.running:
                 await self.save_snapshot()
+
+    def rides_along(self) -> bool:
+        """True for a service without a reaction (a watch at most) whose projection another service of the process
+        folds with a consumer of its own (``fold_once``): a consumer of its own would only deliver and ack every
+        event again (quota, autoscaler and health beside the scheduler in ``gpuorch up``: three in five deliveries
+        of every event)."""
+        return self.reaction is None and any(s is not self and s.reaction is not None and s.follows_log
+                                             for s in self.fold.services)
 
     async def _run_timers(self) -> None:
         self.ready.set()
@@ -390,7 +406,10 @@ class Service:
     async def _on_message(self, rec: Record, msg: Msg) -> None:
         if not self.fold.open.is_set():  # a snapshot is being taken: it must see no fold
             await self.fold.open.wait()
+        first = not isinstance(rec, Undecodable) and rec.seq > self.projection.seq
         env = self._fold(rec)
+        if first and env is not None:
+            self._watched(env)
         if env is not None and self.reaction is not None and self.reactions_at_once > 1:
             await self.reacting.start(self._react, env, msg)  # the next fold waits for a free place, not this reaction
         elif env is not None and self.reaction is not None:
@@ -399,6 +418,14 @@ class Service:
             await msg.ack()
         if self.fold.since_snapshot >= self.snapshot_every:
             await self.save_snapshot()
+
+    def _watched(self, env: Envelope) -> None:
+        for s in self.fold.services:
+            if s.watch is not None:
+                try:
+                    s.watch(env)
+                except Exception as e:  # noqa: BLE001 - a watch is best effort: the fold and reactions go on
+                    log.warning("service=%s watch failed seq=%d type=%s error=%r", s.name, env.seq, env.type, e)
 
     async def _react(self, env: Envelope, msg: Msg) -> None:
         """Run the reaction, then settle the event: ack; or, failed, nak to retry, dead-letter at the last try."""

@@ -74,3 +74,33 @@ async def test_a_restart_restores_one_snapshot_for_the_process_and_replays_to_th
         assert again["scheduler"].fold.restored, "the process started from its snapshot, not from the log"
         live, alone = await same_position(eventlog, again)
         assert {n: s["digest"] for n, s in live.items()} == {n: alone[n]["digest"] for n in live}
+
+
+async def test_a_service_without_a_reaction_rides_on_the_folds_of_its_process_with_no_consumer_of_its_own(
+        eventlog: EventLog):
+    """Quota, autoscaler and health need no event delivered to them: beside the services with a reaction
+    (scheduler, inventory), a consumer of theirs would only deliver and acknowledge every event again (three in five
+    deliveries). They make none, and still see every event folded, their timers woken, their digests their own;
+    health's watch (its wake and trace notes) sees each event once, as the process first folds it."""
+    async with in_process_stack(eventlog) as (client, services):
+        riders = {n for n, s in services.items() if s.reaction is None}
+        assert riders == {"quota", "autoscaler", "health"}
+        health = services["health"]
+        seen: list[str] = []
+        watch = health.watch
+        health.watch = lambda env: (seen.append(env.id), watch(env))
+        await workload(client, eventlog)
+        live, alone = await same_position(eventlog, services)
+        assert {n: live[n]["digest"] for n in riders} == {n: alone[n]["digest"] for n in riders}
+        consumers = {c.name for c in await eventlog.js.consumers_info("GPUORCH") if c.config.durable_name}
+        assert {n for n in services if any(c.startswith(f"svc-{n}-") for c in consumers)} \
+            == set(services) - riders, consumers
+        placed = [r.id for r in await eventlog.read(0, limit=1000) if r.data.TYPE in ("job.placed", "node.registered")]
+        assert placed and set(placed) <= set(seen), "health watched every placement and registration"
+        assert len(seen) == len(set(seen)), "each event watched once, though two consumers delivered it"
+        services["quota"].changed.clear()
+        head = await eventlog.last_seq()
+        await client.post("/v1/jobs", json=job("one-more").gpus(1).build().model_dump(mode="json"))
+        await eventually(lambda: services["quota"].changed.is_set(), what="the quota service to be told of the fold")
+        later = [r.id for r in await eventlog.read(head, limit=1000)]
+        await eventually(lambda: later and set(later) <= set(seen), what="health to watch the new job's events")

@@ -64,7 +64,7 @@ class Health:
         self.svc = Service(
             "health",
             HealthProjection(),
-            reaction=self.react,
+            watch=self.watch,  # no consumer of its own beside the scheduler's in one process (Service.rides_along)
             timers=[self.leadership.hold, self.watch_heartbeats, self.read_telemetry, self.decide_loop],
             router=router,
             snapshot_every=settings.snapshot_every,
@@ -82,7 +82,7 @@ class Health:
     def leader(self) -> asyncio.Event:
         return self.leadership.leader
 
-    async def react(self, env: Envelope) -> None:
+    def watch(self, env: Envelope) -> None:
         if env.data.TYPE.startswith(RELEVANT):
             self.wake.set()
         self.traces.note(env)

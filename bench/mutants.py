@@ -134,6 +134,9 @@ RULES: dict[str, Rule] = {
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
                                               "the others ride on their folds, and each watch sees an event once",
                                               ("tests/test_fold_once.py",)),
+    "the heap out of the collector's sight": Rule("every process run through shared.aio freezes each second's "
+                                                  "survivors after freeing its garbage cycles, and thaws hourly",
+                                                  ("tests/test_gc_freeze.py",)),
     "admission verdicts renewed": Rule("a kept admission verdict ends when a node, GPU, queue or pool event arrives",
                                        ("tests/test_scheduler_stack.py",)),
     "decide beside the folds": Rule("the core decides on the cycle's copy while folds go on; only the read holds "
@@ -491,6 +494,14 @@ MUTANTS: tuple[Mutant, ...] = (
     M("a-watch-on-every-delivery", "one delivery per reacting service", "shared/runtime.py",
       "        if first and env is not None:\n            self._watched(env)",
       "        if env is not None:\n            self._watched(env)"),
+    M("the-heap-never-frozen", "the heap out of the collector's sight", "shared/aio.py",
+      "        gc.freeze()\n", "        pass\n"),
+    M("garbage-cycles-frozen", "the heap out of the collector's sight", "shared/aio.py",
+      "        gc.collect()  # what is in sight", "        pass  # what is in sight"),
+    M("never-thawed", "the heap out of the collector's sight", "shared/aio.py",
+      "            gc.unfreeze()  # the hourly full walk", "            pass  # the hourly full walk"),
+    M("a-process-without-the-freezer", "the heap out of the collector's sight", "shared/aio.py",
+      "return runner.run(_with_frozen_heap(main))", "return runner.run(main)"),
     M("admission-verdicts-kept-forever", "admission verdicts renewed", "services/scheduler/projection.py",
       "            self.shape_version = next(_VERSIONS)\n        return changed", "            pass\n        return changed"),
     M("decide-under-the-held-folds", "decide beside the folds", "services/scheduler/service.py",

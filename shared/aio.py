@@ -9,8 +9,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 GC_THRESHOLD = (50_000, 20, 10)  # allocations before a young collection (Python's default: 700, 10, 10)
-FREEZE_EVERY_S = 1.0  # the survivors of each second move out of the collector's sight (keep_heap_frozen)
-THAW_EVERY_S = 3600.0  # and back once an hour: one full collection then frees any cycle among them
+THAW_EVERY_S = 3600.0  # frozen objects back in the collector's sight, for one full collection (thaw_hourly)
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
@@ -25,35 +24,38 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
     gc.set_threshold(*GC_THRESHOLD)
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_with_frozen_heap(main))
+    gc.callbacks.append(freeze_survivors)
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(_with_thaws(main))
+    finally:
+        gc.callbacks.remove(freeze_survivors)
 
 
-async def _with_frozen_heap(main: Coroutine[Any, Any, T]) -> T:
-    keeper = asyncio.create_task(keep_heap_frozen(), name="gc-freeze")
+def freeze_survivors(phase: str, info: dict[str, int]) -> None:
+    """After each collection of the older generations, freeze what survived (``gc.freeze``: the permanent
+    generation, which no collection walks), at no walk of its own. A full collection then sees only what arrived
+    since, not the projection's hundreds of thousands of long-lived objects: with them in sight, one full collection
+    in a flood of 20,000 jobs held the event loop 0.4-0.5 s (the slowest GET /v1/jobs in bench.backlog). Garbage
+    cycles are freed by the collection before; one made of frozen objects waits for the thaw (``thaw_hourly``)."""
+    if phase == "stop" and info["generation"] >= 1:
+        gc.freeze()
+
+
+async def thaw_hourly(every_s: float | None = None) -> None:
+    """Once an hour, one full collection over everything, frozen objects included, then freeze again."""
+    while True:
+        await asyncio.sleep(THAW_EVERY_S if every_s is None else every_s)
+        gc.unfreeze()
+        gc.collect()  # its callback freezes the survivors
+
+
+async def _with_thaws(main: Coroutine[Any, Any, T]) -> T:
+    thaws = asyncio.create_task(thaw_hourly(), name="gc-thaw")
     try:
         return await main
     finally:
-        keeper.cancel()
-
-
-async def keep_heap_frozen(every_s: float | None = None, thaw_every_s: float | None = None) -> None:
-    """Every second, collect what the collector sees and freeze what survived (``gc.freeze``: the permanent
-    generation, which no collection walks). A full collection then walks only what arrived since, not the
-    projection's hundreds of thousands of long-lived objects: with them in sight, one full collection in a flood
-    of 20,000 jobs held the event loop 0.4-0.5 s (the slowest GET /v1/jobs, bench.backlog). A garbage cycle made
-    of frozen objects waits for the hourly thaw, when one full collection walks everything once."""
-    every_s = FREEZE_EVERY_S if every_s is None else every_s
-    thaw_every_s = THAW_EVERY_S if thaw_every_s is None else thaw_every_s
-    loop = asyncio.get_running_loop()
-    thawed = loop.time()
-    while True:
-        await asyncio.sleep(every_s)
-        if loop.time() - thawed >= thaw_every_s:
-            gc.unfreeze()  # the hourly full walk, below
-            thawed = loop.time()
-        gc.collect()  # what is in sight: a cycle that is garbage already is freed, not frozen
-        gc.freeze()
+        thaws.cancel()
 
 
 async def wait_event(event: asyncio.Event, timeout: float) -> bool:

@@ -1,6 +1,6 @@
-"""The control plane's heap out of the cyclic collector's sight (shared.aio.keep_heap_frozen): each second's
-survivors are frozen, so that a full collection walks only what is new, not a backlog's long-lived objects; garbage
-cycles are freed before they could be frozen, and frozen ones at the thaw."""
+"""The control plane's heap out of the cyclic collector's sight (shared.aio.freeze_survivors): after each collection
+of the older generations its survivors are frozen, so that a full collection walks only what is new, not a
+backlog's long-lived objects; garbage cycles are freed by the collection first, and frozen ones at the thaw."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import weakref
 import pytest
 
 from shared import aio
-from shared.aio import keep_heap_frozen
 from tests.support import eventually
 
 
@@ -26,58 +25,59 @@ def cycle() -> weakref.ref:
     return weakref.ref(a)
 
 
-async def test_survivors_are_frozen_and_garbage_cycles_are_freed_before_and_after_a_freeze():
+@pytest.fixture
+def freezer():
     gc.unfreeze()
-    keeper = asyncio.create_task(keep_heap_frozen(every_s=0.05, thaw_every_s=3600))
+    gc.callbacks.append(aio.freeze_survivors)
     try:
-        kept = [Node() for _ in range(1000)]
-        dropped = cycle()  # garbage at once: the next tick frees it, never freezes it
-        await eventually(lambda: gc.get_freeze_count() > 0 and dropped() is None, timeout=5,
-                         what="a tick to free the garbage cycle and freeze the rest")
-        held = [cycle()]
-        live = [held[0]()]  # survives a tick: frozen with the rest
-        frozen = gc.get_freeze_count()
-        await eventually(lambda: gc.get_freeze_count() > frozen, timeout=5, what="the next freeze")
-        live.clear()  # now garbage, but frozen: no collection sees it
-        gc.collect()
-        assert held[0]() is not None, "a frozen cycle waits for the thaw"
+        yield
     finally:
-        keeper.cancel()
-        await asyncio.gather(keeper, return_exceptions=True)
+        gc.callbacks.remove(aio.freeze_survivors)
         gc.unfreeze()
         gc.collect()
-    assert held[0]() is None
 
 
-async def test_the_thaw_frees_a_cycle_that_became_garbage_while_frozen():
-    gc.unfreeze()
+def test_survivors_of_an_older_collection_are_frozen_and_garbage_cycles_freed_first(freezer):
+    kept = [Node() for _ in range(1000)]
+    dropped = cycle()  # garbage already: the collection frees it, the freeze never sees it
+    gc.collect(0)
+    assert gc.get_freeze_count() == 0, "a collection of the youngest generation freezes nothing"
+    gc.collect(1)
+    assert dropped() is None
+    assert gc.get_freeze_count() >= len(kept)
+    held = cycle()
+    live = [held()]
+    gc.collect(1)  # survives: frozen
+    live.clear()  # garbage now, but frozen: no collection sees it
+    gc.collect()
+    assert held() is not None, "a frozen cycle waits for the thaw"
+
+
+async def test_the_thaw_frees_a_cycle_that_became_garbage_while_frozen(freezer):
     ref = cycle()
     obj = [ref()]
-    gc.freeze()
+    gc.collect(1)
     obj.clear()
     gc.collect()
     assert ref() is not None  # frozen: out of sight
-    keeper = asyncio.create_task(keep_heap_frozen(every_s=0.05, thaw_every_s=0.0))
+    thaws = asyncio.create_task(aio.thaw_hourly(every_s=0.05))
     try:
         await eventually(lambda: ref() is None, timeout=5, what="the thaw's full collection to free the cycle")
+        assert gc.get_freeze_count() > 0, "the thaw's survivors frozen again"
     finally:
-        keeper.cancel()
-        await asyncio.gather(keeper, return_exceptions=True)
-        gc.unfreeze()
+        thaws.cancel()
+        await asyncio.gather(thaws, return_exceptions=True)
 
 
-def test_every_process_run_through_shared_aio_keeps_its_heap_frozen(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(aio, "FREEZE_EVERY_S", 0.05)
+def test_every_process_run_through_shared_aio_freezes_its_survivors_and_leaves_no_callback():
     gc.unfreeze()
 
     async def main() -> int:
         kept = [Node() for _ in range(100)]
-        for _ in range(100):
-            if gc.get_freeze_count() >= len(kept):
-                break
-            await asyncio.sleep(0.05)
-        return gc.get_freeze_count()
+        gc.collect(1)
+        return gc.get_freeze_count() - len(kept)
     try:
-        assert aio.run(main()) >= 100
+        assert aio.run(main()) >= 0
+        assert aio.freeze_survivors not in gc.callbacks
     finally:
         gc.unfreeze()

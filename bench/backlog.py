@@ -32,11 +32,16 @@ JOB = {"name": "wait", "resources": {"gpus": 1}, "command": ["sleep", "3600"]}
 KINDS = ("first", "filtered", "deep")
 
 
-def quantiles(xs: list[float]) -> dict[str, float | int]:
-    xs = sorted(xs)
-    pick = (lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else (lambda q: float("nan"))
-    return {"n": len(xs), "p50_ms": round(pick(0.5) * 1000, 1), "p99_ms": round(pick(0.99) * 1000, 1),
-            "max_ms": round(xs[-1] * 1000, 1) if xs else float("nan")}
+def quantiles(xs: list[float], at: list[float] | None = None) -> dict[str, float | int]:
+    """p50, p99 and max of these seconds; ``at``: when each was taken (seconds since the measure began), to tell
+    when the slowest was (``max_at_s``)."""
+    order = sorted(range(len(xs)), key=xs.__getitem__)
+    pick = (lambda q: xs[order[min(len(xs) - 1, int(q * len(xs)))]]) if xs else (lambda q: float("nan"))
+    out = {"n": len(xs), "p50_ms": round(pick(0.5) * 1000, 1), "p99_ms": round(pick(0.99) * 1000, 1),
+           "max_ms": round(xs[order[-1]] * 1000, 1) if xs else float("nan")}
+    if at and xs:
+        out["max_at_s"] = round(at[order[-1]], 1)
+    return out
 
 
 async def flood(stack: Stack, jobs: int, batch: int, clients: int, done: asyncio.Event) -> tuple[float, int]:
@@ -84,16 +89,35 @@ async def sample(stack: Stack, kind: str, cursor: str | None) -> float | None:
 async def measure(stack: Stack, until: asyncio.Event | None, rounds: int, depth: int) -> dict[str, dict]:
     """Time the three kinds in turn: while ``until`` is not set (during a flood), else ``rounds`` times each."""
     times: dict[str, list[float]] = {k: [] for k in KINDS}
-    cursor, i = None, 0
+    at: dict[str, list[float]] = {k: [] for k in KINDS}
+    cursor, i, t0 = None, 0, time.monotonic()
     while (until is not None and not until.is_set()) or (until is None and i < rounds):
         if cursor is None:
             cursor = await deep_cursor(stack, depth)  # None until the backlog is that deep
         for kind in KINDS:
+            began = time.monotonic() - t0
             if (t := await sample(stack, kind, cursor)) is not None:
                 times[kind].append(t)
+                at[kind].append(began)
         i += 1
         await asyncio.sleep(0.02 if until is not None else 0)
-    return {k: quantiles(v) for k, v in times.items()}
+    return {k: quantiles(v, at[k]) for k, v in times.items()}
+
+
+async def own_lag(until: asyncio.Event, lags: list[tuple[float, float]], every_s: float = 0.01) -> None:
+    """This process's own event loop, late by how much after each 10 ms sleep until ``until`` (when, seconds late):
+    a page's time is measured here, beside the flood's clients, so a stall of this loop shows in it too."""
+    t0 = time.monotonic()
+    while not until.is_set():
+        began = time.monotonic()
+        await asyncio.sleep(every_s)
+        lags.append((began - t0, time.monotonic() - began - every_s))
+
+
+def lag_summary(lags: list[tuple[float, float]]) -> dict[str, float]:
+    worst = max(lags, key=lambda x: x[1], default=(float("nan"), float("nan")))
+    return {"max_ms": round(worst[1] * 1000, 1), "max_at_s": round(worst[0], 1),
+            "over_100_ms": sum(1 for _, lag in lags if lag > 0.1)}
 
 
 async def restart(stack: Stack, how: str) -> dict[str, float]:
@@ -128,13 +152,15 @@ async def run(jobs: int, batch: int, clients: int, rounds: int, restarts: int, d
         await stack.until_ready()
         done = asyncio.Event()
         depth = min(10_000, jobs // 2)
-        (flood_s, slow), during = await asyncio.gather(flood(stack, jobs, batch, clients, done),
-                                               measure(stack, done, 0, depth))
+        lags: list[tuple[float, float]] = []
+        (flood_s, slow), during, _ = await asyncio.gather(flood(stack, jobs, batch, clients, done),
+                                                          measure(stack, done, 0, depth), own_lag(done, lags))
         after = await measure(stack, None, rounds, depth)
         restarts_out = {how: [await restart(stack, how) for _ in range(restarts)] for how in ("sigint", "sigkill")}
         count = len((await stack.api.get("/v1/jobs", params={"limit": 1000})).json())
         return {"cores": len(os.sched_getaffinity(0)), "jobs": jobs, "flood_s": round(flood_s, 1), "flood_503": slow,
-                "first_page_after_restart": count, "during": during, "after": after, "restart": {
+                "first_page_after_restart": count, "during": during, "after": after,
+                "bench_loop_lag_during": lag_summary(lags), "restart": {
                     how: {"readyz_s": statistics.median(r["readyz_s"] for r in rs),
                           "all_ready_s": statistics.median(r["all_ready_s"] for r in rs), "runs": rs}
                     for how, rs in restarts_out.items()},
@@ -148,7 +174,11 @@ def show(out: dict) -> None:
           f"({out['flood_503']} answers 503: recorded, the scheduler over 2 s behind)")
     for when in ("during", "after"):
         for kind, q in out[when].items():
-            print(f"  GET /v1/jobs {kind:<8} {when:<6}: p50 {q['p50_ms']} ms, p99 {q['p99_ms']} ms (n={q['n']})")
+            slowest = f", slowest {q['max_ms']} ms at {q['max_at_s']} s" if "max_at_s" in q else ""
+            print(f"  GET /v1/jobs {kind:<8} {when:<6}: p50 {q['p50_ms']} ms, p99 {q['p99_ms']} ms (n={q['n']}{slowest})")
+    if lag := out.get("bench_loop_lag_during"):
+        print(f"  this bench's own event loop during the flood: late by at most {lag['max_ms']} ms (at {lag['max_at_s']} s), "
+              f"{lag['over_100_ms']} times over 100 ms")
     for how, r in out["restart"].items():
         print(f"  restart after {how:<7}: /readyz {r['readyz_s']} s, every service ready {r['all_ready_s']} s")
     print(f"  targets: p99 <= {TARGETS['list_p99_s'] * 1000:.0f} ms, restart <= {TARGETS['restart_s']} s; before: "

@@ -49,14 +49,14 @@ async def count(log: EventLog, type_: str) -> int:
     return len([r async for r in log.replay(1, ["gpuorch.events.job.>"]) if getattr(r, "type", "").endswith(f"{type_}.v1")])
 
 
-async def run(tasks: int, idle_s: float, work: Path) -> dict:
+async def run(tasks: int, idle_s: float, work: Path, profile: Path | None = None) -> dict:
     server = NatsServer(work / "nats").start()
     log = await EventLog.connect(server.url)
     inventory = build_service("inventory", Settings(data_dir=work / "data"))  # appends the agent's reports
     relaying = asyncio.create_task(inventory.run(log))
     node = build("dgx-h100", "bench-0")
     agent = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "agent", "--backend", "simulated", "--profile", "dgx-h100", "--node-id",
+        [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "services.cli", "agent", "--backend", "simulated", "--profile", "dgx-h100", "--node-id",
          node.node_id, "--nats", server.url, "--port", str(free_port()), "--work-dir", str(work / "agent"),
          "--kill-tasks-on-exit"],
         stdout=open(work / "agent.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=200)
     ap.add_argument("--idle-seconds", type=float, default=20)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--profile", type=Path, help="run the agent under cProfile, its stats to this file (last run's)")
     ap.add_argument("--forget-ended", action="store_true", help="only: the cost of an ended job at ENDED_KEPT held")
     args = ap.parse_args()
     if args.forget_ended:
@@ -132,7 +133,7 @@ def main() -> None:
     print(f"task directories (TMPDIR) on {describe_fs(os.path.realpath(tempfile.gettempdir()))}")
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
-            r = asyncio.run(run(args.tasks, args.idle_seconds, Path(tmp)))
+            r = asyncio.run(run(args.tasks, args.idle_seconds, Path(tmp), args.profile))
         results.append(r)
         print(f"run: {r['started_per_s']:.1f} tasks started/s, {r['started_and_exited_per_s']:.1f} started+exited/s, "
               f"CPU per task: agent {r['agent_cpu_ms_per_task']:.2f} ms, forker + launcher + task "

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from services.scheduler.api import router
 from services.scheduler.core import Placement, Plan, Reservation
@@ -42,9 +43,15 @@ PLACE_AT_ONCE = 256  # placements appended concurrently
 # the cycle's read to the end of its appends (its threads, and the requests served beside it), not the wall time:
 # on a machine busy with other processes (16 agents on 2 cores) a cycle of 10 ms waited 200 ms for a core, and its
 # rest of 400 ms left 128 freed GPUs idle with the CPU idle too (bench.e2e --timeline).
+# Once an event may have freed room (a job's end, a node, a quota: anything but a submission), the rest is REST
+# times the cycle's read and decision alone (their threads' CPU): the process's CPU over the cycle is mostly the
+# folds of the ends and the appends beside it, and resting for those kept GPUs idle 0.25-0.73 s after each wave of
+# 128 jobs ended (bench.e2e, issue 15's thirteenth round). Submissions alone (a flood) rest as before.
 REST = 2.0
+T = TypeVar("T")
 
 RELEVANT = ("job.queued", "job.requeued", "job.succeeded", "job.failed", "job.cancelled", "job.preempted", "node.", "gpu.", "queue.")
+SUBMISSION = "job.queued"  # of the relevant events, the one that frees no room
 
 
 class Scheduler:
@@ -56,7 +63,9 @@ class Scheduler:
         self.policy = configured_policy(settings)
         self.interval = settings.cycle_interval_s
         self.debounce = settings.debounce_s
-        self.worked_s = 0.0  # the last cycle's read and decision, in seconds: the next one rests REST times that
+        self.worked_s = 0.0  # the process's CPU over the last cycle, read to appends: the next one rests REST times that
+        self.decided_s = 0.0  # the last cycle's read and decision alone: their threads' CPU
+        self.freed = False  # an event that may have freed room came since the last cycle began: rest decided_s only
         self.wake = asyncio.Event()
         self.leadership = Leadership("scheduler", source="/gpuorch/scheduler", on_acquired=self.wake.set)
         self.history = JobHistory(settings.db_url, Path(settings.data_dir))
@@ -99,8 +108,9 @@ class Scheduler:
             # cycles start at least a debounce apart (after a long one, REST times its work): what arrives meanwhile
             # lands for the next. An event after a quiet spell is decided at once: waiting a debounce after every
             # wake made each job that ends on a full node wait 50 ms before the next one was placed (bench.e2e)
-            await asyncio.sleep(max(0.0, ended + max(self.debounce, REST * self.worked_s) - time.monotonic()))
+            await asyncio.sleep(max(0.0, ended + max(self.debounce, REST * self.work_s()) - time.monotonic()))
             self.wake.clear()
+            self.freed = False
             if not self.leadership.leader.is_set():
                 continue
             try:
@@ -109,15 +119,20 @@ class Scheduler:
                 log.exception("event=cycle_failed")
             ended = time.monotonic()
 
+    def work_s(self) -> float:
+        """The last cycle's work that the next one rests REST times (see REST)."""
+        return self.decided_s if self.freed else self.worked_s
+
     async def run_once(self) -> Plan:
         now = self.clock()
         t0, started = time.perf_counter(), time.time_ns()
         # read in a thread with the folds held, then decided in a thread on that copy while folds go on: a cycle over
         # 10,000 pending jobs takes 100-200 ms, which every request waiting for a fold (a POST) waited out
         cpu0 = time.process_time()
-        read = await self.svc.read_in_thread(lambda: cycle_input(self.proj, self.policy, now, self.settings.half_life_s,
-                                                                 self.settings.reclaim_after_s))
-        plan = await asyncio.to_thread(read.decide)
+        read, read_s = await self.svc.read_in_thread(lambda: on_cpu(lambda: cycle_input(
+            self.proj, self.policy, now, self.settings.half_life_s, self.settings.reclaim_after_s)))
+        plan, decide_s = await asyncio.to_thread(on_cpu, read.decide)
+        self.decided_s = read_s + decide_s
         self.svc.metrics.cycle_seconds.labels("scheduler").observe(time.perf_counter() - t0)
         self.events.placements.observe(len(plan.placements))
         # a cycle that decided something is a trace of its own (an idle tick makes none); each job's decision is a
@@ -239,6 +254,7 @@ class Scheduler:
         self.events.observe(env, self.proj)
         if env.data.TYPE.startswith(RELEVANT):
             self.wake.set()
+            self.freed = self.freed or not env.data.TYPE.startswith(SUBMISSION)
         self.traces.note(env)
         if not isinstance(env.data, ev.JobTaskExited):
             return
@@ -278,6 +294,13 @@ class Scheduler:
                      kind, attempt_key(job))
             return
         log.info("event=%s job=%s attempt=%s", event.TYPE.split(".")[1], job.job_id, attempt_key(job))
+
+
+def on_cpu(fn: Callable[[], T]) -> tuple[T, float]:
+    """``fn()``, and the CPU seconds this thread spent in it."""
+    t = time.thread_time()
+    out = fn()
+    return out, time.thread_time() - t
 
 
 def attempt_key(job: JobRecord) -> str:

@@ -41,8 +41,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def forker_cpu(agent_pid: int) -> float:
-    """CPU seconds of the agent's forker and of the launchers (with their tasks) it has reaped."""
-    return sum(sum(e2e.cpu_seconds(child)) for child in e2e.children_of(agent_pid))
+    """CPU seconds of the agent's task keeper, its account keepers, and the tasks (alive, or reaped by them)."""
+    return sum(sum(e2e.cpu_seconds(p)) for p in e2e.descendants(agent_pid))
 
 
 async def count(log: EventLog, type_: str) -> int:

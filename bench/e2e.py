@@ -280,8 +280,9 @@ def stack_cpu(stack: Stack) -> dict[str, float]:
         a, children = cpu_seconds(pid)
         add("agents", a)
         add("task launchers + tasks", children)  # a forker that ended (restarted), or a launcher started without one
-        for forker in children_of(pid):  # the agent's forker: itself and the launchers (with their tasks) it reaped
-            add("task launchers + tasks", sum(cpu_seconds(forker)))
+        # the agent's task keeper, its account keepers and the tasks alive: each its own CPU and its reaped children's
+        for p in descendants(pid):
+            add("task launchers + tasks", sum(cpu_seconds(p)))
     return out
 
 
@@ -290,6 +291,15 @@ def children_of(pid: int) -> list[int]:
         return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
     except (OSError, ValueError):
         return []
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process under ``pid``: summing each one's own CPU and its reaped children's counts each once."""
+    out, todo = [], children_of(pid)
+    while todo:
+        out.append(p := todo.pop())
+        todo += children_of(p)
+    return out
 
 
 async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: str, profile: bool,

@@ -23,11 +23,13 @@ scheduling and quota rules).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -129,6 +131,11 @@ RULES: dict[str, Rule] = {
     "every exit recorded": Rule("a task's keeper records its exit; a subreaper agent records the exit of a task whose "
                                 "keeper died; a record that lags the exit is waited for, not reported lost",
                                 ("tests/inventory/test_forker.py", "tests/inventory/test_reaper_wake.py")),
+    "an account's tasks from its own keeper": Rule(
+        "a task of another account is started (with vfork) by a keeper that is that account and not dumpable, one per "
+        "account, at most ACCOUNT_KEEPERS_MAX (then from the root keeper); its tasks' exits are recorded by the root "
+        "keeper, also once it was killed; one that does not answer is killed and the task refused",
+        ("tests/inventory/test_forker.py",)),
     "no fold under a reader": Rule("while a thread reads the projection (a snapshot, a cycle) no fold runs",
                                    ("tests/test_cycle_thread.py", "tests/test_snapshot_thread.py")),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
@@ -448,7 +455,26 @@ MUTANTS: tuple[Mutant, ...] = (
     M("task-in-the-keepers-session", "no task reaches the forker", "services/inventory/launcher.py",
       "stderr=stderr, start_new_session=True)", "stderr=stderr, start_new_session=False)"),
     M("keeper-records-no-exit", "every exit recorded", "services/inventory/launcher.py",
-      "        _record(record, _result(proc.returncode))", "        pass"),
+      "        _record(record, _result(code))  # this keeper's task", "        pass  # this keeper's task"),
+    M("tasks-of-accounts-forked-here", "an account's tasks from its own keeper", "services/inventory/launcher.py",
+      "keeper = accounts.keeper(args) if accounts is not None and args.uid is not None else None", "keeper = None"),
+    M("account-keeper-dumpable", "an account's tasks from its own keeper", "services/inventory/launcher.py",
+      "not _prctl(PR_SET_DUMPABLE, 0)", "not _prctl(PR_SET_DUMPABLE, 1)"),
+    M("account-exits-not-recorded", "an account's tasks from its own keeper", "services/inventory/launcher.py",
+      "                if record:\n                    _record(record, _result(code))",
+      "                if record:\n                    pass"),
+    M("no-cap-on-account-keepers", "an account's tasks from its own keeper", "services/inventory/launcher.py",
+      "        if len(self.keepers) >= ACCOUNT_KEEPERS_MAX:", "        if False:"),
+    M("a-busy-account-keeper-ended", "an account's tasks from its own keeper", "services/inventory/launcher.py",
+      "idle = [(k.used, kk) for kk, k in self.keepers.items() if not k.tasks]",
+      "idle = [(k.used, kk) for kk, k in self.keepers.items()]"),
+    M("a-stuck-account-keeper-awaited", "an account's tasks from its own keeper", "services/inventory/launcher.py",
+      "ACCOUNT_REPLY_S = 3.0", "ACCOUNT_REPLY_S = 30.0"),
+    M("account-keepers-outlive-their-keeper", "an account's tasks from its own keeper",
+      "services/inventory/launcher.py", "                accounts.close()  # each ends", "                pass  # each ends"),
+    M("account-keeper-starts-by-path", "an account's tasks from its own keeper", "services/inventory/launcher.py",
+      "            os.fchdir(fds[2])\n            proc = subprocess.Popen(cmd, env=",
+      "            proc = subprocess.Popen(cmd, cwd=os.readlink(f'/proc/self/fd/{fds[2]}'), env="),
     M("orphans-not-recorded", "every exit recorded", "services/inventory/launcher.py",
       "    _record(record, result)\n    return result", "    return None"),
     M("keeper-leaves-with-its-agent", "every exit recorded", "services/inventory/launcher.py",
@@ -657,8 +683,21 @@ def run_mutant(m: Mutant, to_the_end: bool = False, timeout: float = 600, desele
                             result.detail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
                     else:  # 4: a test named is gone; 5: nothing collected
                         result.detail = f"pytest exit {proc.returncode}: the rule's tests are gone or renamed"
+                finally:
+                    kill_strays(root)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def kill_strays(root: Path) -> None:
+    """Kill what the mutated code left running (a task keeper in a session of its own that a mutant keeps alive):
+    every process started from the mutant's copy of the repository."""
+    mark = str(root).encode()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if mark in (d / "cmdline").read_bytes():
+                    os.kill(int(d.name), signal.SIGKILL)
 
 
 def baseline(mutants: list[Mutant], timeout: float) -> tuple[str | None, tuple[str, ...]]:

@@ -6,7 +6,9 @@
 The second form is the agent's task keeper (``forker.Forker`` starts it, one per agent): it reads requests, each
 the first form's arguments, a working directory, the task's environment (in the request: a job's secrets never
 touch the disk) and two descriptors (the task's stdout and stderr), on the SOCK_SEQPACKET socket FD; it starts
-each task as its own child and appends the task's exit to its RECORD (the agent's record of it) when it reaps it.
+each task as its own child, or, for a task of another account, has that account's keeper start it (a child of
+this keeper that has become the account: see "account keepers" below), and appends the task's exit to its RECORD
+(the agent's record of it) when it or the account's keeper reaps it.
 One long-lived parent for every task costs a task its own fork and exec and nothing else: a per-task Python
 launcher, forked or started afresh, cost 4-6 ms of CPU a task, mostly in page faults (bench.e2e: the largest CPU
 cost of a short job). LABEL is not read: it names the agent in the process list. The first form is one task's
@@ -35,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 
 REASON_MAX = 500  # characters of a refusal's reason kept (a record is read up to taskdir.RECORD_MAX bytes)
@@ -112,10 +115,10 @@ def run(args: argparse.Namespace, cmd: list[str]) -> int:
 def serve(fd: int) -> int:
     """Start a task per request on the socket ``fd`` and record how each ends; answer each with the task's pid
     (``pid N``: it leads its own session, so a stop signalled to its group reaches it), with ``pid 0`` when it could
-    not start (its record says why), or with ``error WHY``. The tasks are this process's children: it reaps them and
-    writes their records, in its main loop (a signal handler's reap could race a start). It also reaps whatever a
-    task orphans (a child subreaper). Once the agent closes the socket it serves no more, and ends when no child
-    is left."""
+    not start (its record says why), or with ``error WHY``. The tasks are this process's children, or its account
+    keepers' (``Accounts``): it reaps them and writes their records, in its main loop (a signal handler's reap
+    could race a start). It also reaps whatever a task orphans (a child subreaper). Once the agent closes the
+    socket it serves no more, and ends when no child is left."""
     become_subreaper()
     wake_r, wake_w = os.pipe()
     for f in (wake_r, wake_w):
@@ -123,24 +126,30 @@ def serve(fd: int) -> int:
     signal.set_wakeup_fd(wake_w)  # SIGCHLD wakes the select below
     signal.signal(signal.SIGCHLD, lambda *_: None)
     sock = socket.socket(fileno=fd)
-    running: dict[int, tuple[subprocess.Popen, str]] = {}
+    running: dict[int, tuple[subprocess.Popen | None, str]] = {}
+    accounts = Accounts(running, inherited=lambda: [sock.fileno(), wake_r, wake_w])
     serving = True
     while serving or _reap(running):
-        ready = select.select([sock, wake_r] if serving else [wake_r], [], [], None if serving else 1.0)[0]
+        ready = select.select(([sock] if serving else []) + [wake_r, *accounts.sockets()], [], [],
+                              None if serving else 1.0)[0]
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 os.read(wake_r, 4096)
+        accounts.hear(ready)
         _reap(running)
         if serving and sock in ready:
             try:
-                serving = _serve_one(sock, running)
+                serving = _serve_one(sock, running, accounts)
             except Exception:  # noqa: BLE001 - one request never takes down the keeper of the running tasks
                 traceback.print_exc()
                 serving = _reply(sock, "error the keeper failed on this request")
+            if not serving:
+                accounts.close()  # each ends once it has told what it reaped; its tasks' exits are recorded here
     return 0
 
 
-def _serve_one(sock: socket.socket, running: dict[int, tuple[subprocess.Popen, str]]) -> bool:
+def _serve_one(sock: socket.socket, running: dict[int, tuple[subprocess.Popen | None, str]],
+               accounts: "Accounts | None" = None) -> bool:
     """One request: start its task and answer; False once the agent is gone."""
     try:
         body, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
@@ -164,6 +173,15 @@ def _serve_one(sock: socket.socket, running: dict[int, tuple[subprocess.Popen, s
         return _reply(sock, f"error {e}")
     try:
         env = checked_env(req["env"], "the request's env") if "env" in req else None
+        if env is None and args.env_file:
+            env = read_env(args.env_file)
+        keeper = accounts.keeper(args) if accounts is not None and args.uid is not None else None
+        if keeper is not None:
+            pid, refused = keeper.start(cmd, cwd, fds, env)
+            if refused is not None:
+                return _reply(sock, "pid 0" if _record(args.record, refused) else f"error cannot record {args.record}")
+            running[pid] = (None, args.record)
+            return _reply(sock, f"pid {pid}")
         proc = start(args, cmd, cwd, fds[0], fds[1], env)
     except (OSError, ValueError, TypeError, subprocess.SubprocessError) as e:
         with contextlib.suppress(OSError):
@@ -188,13 +206,222 @@ def _reply(sock: socket.socket, text: str) -> bool:
 def start(args: argparse.Namespace, cmd: list[str], cwd: str, stdout: int, stderr: int,
           env: dict[str, str] | None = None) -> subprocess.Popen:
     """The task, in a session of its own, as --uid/--gid with exactly --groups, with ``env`` (the request's: it never
-    touches the disk) or else the environment of --env-file."""
+    touches the disk, or --env-file's)."""
     switch = args.uid is not None
-    if env is None and args.env_file:
-        env = read_env(args.env_file)
     return subprocess.Popen(cmd, cwd=cwd, env=env, user=args.uid, group=args.gid,
                             extra_groups=args.groups if switch else None, stdin=subprocess.DEVNULL, stdout=stdout,
                             stderr=stderr, start_new_session=True)
+
+
+# --- account keepers -------------------------------------------------------------------------------------------
+#
+# A task that runs as another account costs the keeper a fork: CPython starts a child with vfork only when it
+# switches no ids, and a fork of this interpreter, then its copy-on-write faults, cost 2.3 ms of CPU a task
+# against 1.1 with vfork (python -I -S, 500 `true`s). So the tasks of one account are started by a keeper of that
+# account: a child of this one, forked once, that has switched to the account's uid, gid and groups, and starts
+# each task with vfork. It holds nothing a process of that account could not reach already (the tasks it starts
+# run as the same account), and it is not dumpable (no ptrace, no /proc/<pid>/mem or fd/ for that account). It
+# tells this keeper each task's pid, or why it could not start it, and each exit it reaps; this keeper writes
+# every record (the account cannot write them). If a task of the account kills or stops its keeper, the task
+# being started is refused with the reason, the keeper is replaced, and the tasks it leaves are this keeper's
+# (a subreaper's) to reap and record, as before; an exit it had reaped but not yet told is lost, and the agent
+# reports that task lost (its own tasks only: a keeper serves one account).
+ACCOUNT_KEEPERS_MAX = 8  # beyond this many accounts, an idle one's keeper ends, or the task is forked from here
+ACCOUNT_REPLY_S = 3.0  # an account keeper that has not answered a request in this long is killed (the agent waits 5)
+PR_SET_DUMPABLE = 4
+
+
+class AccountKeeper:
+    def __init__(self, pid: int, sock: socket.socket, running: dict[int, tuple[subprocess.Popen | None, str]]) -> None:
+        self.sock, self.running = sock, running
+        self.pidfd = os.pidfd_open(pid)  # signalled through this: its pid may be reaped and reused meanwhile
+        self.tasks: set[int] = set()  # the pids it started that have not ended
+        self.used = time.monotonic()
+
+    def start(self, cmd: list[str], cwd: str, fds: list[int], env: dict[str, str] | None) -> tuple[int, dict | None]:
+        """Have it start the task: (its pid, None), or (0, the exit record of a task that could not start)."""
+        self.used = time.monotonic()
+        try:
+            # it starts each task where it stands: it may not reach the directory by its path (the root agent's
+            # work dir need not be open to the account), as the task started from here (chdir, then setuid) did not
+            where = os.open(cwd, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                socket.send_fds(self.sock, [json.dumps({"argv": cmd, "env": env}).encode()], [*fds, where])
+            finally:
+                os.close(where)
+            deadline = time.monotonic() + ACCOUNT_REPLY_S
+            while (left := deadline - time.monotonic()) > 0 and select.select([self.sock], [], [], left)[0]:
+                said = self.hear()
+                if said is None:
+                    break  # it is gone
+                if "pid" in said:
+                    self.tasks.add(said["pid"])
+                    return said["pid"], None
+                if "refused" in said:
+                    return 0, said["refused"]
+        except OSError:
+            pass
+        self.kill()
+        return 0, {"code": 126, "reason": f"cannot start {cmd[0]}: the keeper of its account did not answer"}
+
+    def hear(self) -> dict | None:
+        """Read one message; an exit it reaped is recorded here. None once it is gone (it is then killed)."""
+        try:
+            body = self.sock.recv(4096)
+            said = json.loads(body) if body else None
+        except (OSError, ValueError):
+            said = None
+        if not isinstance(said, dict):
+            self.kill()
+            return None
+        if "exit" in said:
+            pid, code = said["exit"]
+            if pid in self.tasks:  # its own tasks only
+                self.tasks.discard(pid)
+                _, record = self.running.pop(pid, (None, ""))
+                if record:
+                    _record(record, _result(code))
+        return said
+
+    def close(self) -> None:
+        """No more requests: it ends once it has told the exits it reaped (read on until it closes its end)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+
+    def kill(self) -> None:
+        if self.pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            os.close(self.pidfd)
+            self.pidfd = -1
+        self.sock.close()
+
+
+class Accounts:
+    """This keeper's account keepers, by (uid, gid, groups)."""
+
+    def __init__(self, running: dict[int, tuple[subprocess.Popen | None, str]], inherited) -> None:
+        self.running, self.inherited = running, inherited
+        self.keepers: dict[tuple, AccountKeeper] = {}
+        self.ending: list[AccountKeeper] = []  # closed: read until each ends
+
+    def sockets(self) -> list[socket.socket]:
+        return [k.sock for k in [*self.keepers.values(), *self.ending] if k.pidfd >= 0]
+
+    def hear(self, ready: list) -> None:
+        for k in [*self.keepers.values(), *self.ending]:
+            if k.pidfd >= 0 and k.sock in ready:
+                k.hear()
+        self.keepers = {key: k for key, k in self.keepers.items() if k.pidfd >= 0}
+        self.ending = [k for k in self.ending if k.pidfd >= 0]
+
+    def keeper(self, args: argparse.Namespace) -> AccountKeeper | None:
+        """The keeper of the request's account, started now if need be; None: start the task from here."""
+        key = (args.uid, args.gid, tuple(args.groups))
+        if (k := self.keepers.get(key)) is not None and k.pidfd >= 0:
+            return k
+        self.keepers.pop(key, None)
+        if len(self.keepers) >= ACCOUNT_KEEPERS_MAX:
+            idle = [(k.used, kk) for kk, k in self.keepers.items() if not k.tasks]
+            if not idle:
+                return None
+            self.close(self.keepers.pop(min(idle)[1]))
+        try:
+            k = self.keepers[key] = self._fork(*key)
+        except OSError:
+            traceback.print_exc()
+            return None
+        return k
+
+    def _fork(self, uid: int, gid: int, groups: tuple[int, ...]) -> AccountKeeper:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            raise
+        if pid == 0:  # the account's keeper: nothing of this one's but its own socket
+            code = 1
+            try:
+                signal.set_wakeup_fd(-1)
+                mine = [*self.keepers.values(), *self.ending]
+                for fd in [*self.inherited(), ours.fileno(), *(k.sock.fileno() for k in mine), *(k.pidfd for k in mine)]:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                code = serve_account(theirs, uid, gid, groups)
+            except BaseException:  # noqa: BLE001 - never back into this keeper's loop
+                traceback.print_exc()
+            os._exit(code)
+        theirs.close()
+        try:
+            return AccountKeeper(pid, ours, self.running)
+        except OSError:
+            ours.close()  # it reads the end of its socket and ends
+            raise
+
+    def close(self, k: AccountKeeper | None = None) -> None:
+        for each in [k] if k is not None else list(self.keepers.values()):
+            each.close()
+            self.ending.append(each)
+        if k is None:
+            self.keepers.clear()
+
+
+def serve_account(sock: socket.socket, uid: int, gid: int, groups: tuple[int, ...]) -> int:
+    """An account's keeper: become the account, for good, then start each requested task (with vfork) and tell
+    the pid; tell each exit reaped. Ends when its keeper closes the socket (its tasks are then the keeper's)."""
+    os.setgroups(list(groups))
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid) or not _prctl(PR_SET_DUMPABLE, 0):
+        return 1
+    wake_r, wake_w = os.pipe()
+    for f in (wake_r, wake_w):
+        os.set_blocking(f, False)
+    signal.set_wakeup_fd(wake_w)
+    running: dict[int, subprocess.Popen] = {}
+    while True:
+        ready = select.select([sock, wake_r], [], [])[0]
+        with contextlib.suppress(BlockingIOError):
+            os.read(wake_r, 4096)
+        for pid, code in _reaped(running):
+            sock.send(json.dumps({"exit": [pid, code]}).encode())
+        if sock not in ready:
+            continue
+        body, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
+        if not body:
+            return 0
+        req = json.loads(body)
+        cmd = req["argv"]
+        try:
+            os.fchdir(fds[2])
+            proc = subprocess.Popen(cmd, env=req["env"], stdin=subprocess.DEVNULL, stdout=fds[0], stderr=fds[1],
+                                    start_new_session=True)
+        except (OSError, ValueError, TypeError, subprocess.SubprocessError) as e:
+            with contextlib.suppress(OSError):
+                os.write(fds[1], f"gpuorch: cannot start {cmd[0]!r}: {_why(e)}\n".encode())
+            sock.send(json.dumps({"refused": _refusal(cmd, e)}).encode())
+        else:
+            running[proc.pid] = proc
+            sock.send(json.dumps({"pid": proc.pid}).encode())
+        finally:
+            _close(fds)
+
+
+def _reaped(running: dict[int, subprocess.Popen]) -> list[tuple[int, int]]:
+    """Reap every child of an account's keeper that ended: (pid, return code) of each."""
+    out = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return out
+        if pid == 0:
+            return out
+        if (proc := running.pop(pid, None)) is not None:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            out.append((pid, proc.returncode))
 
 
 def _reap(running: dict[int, tuple[subprocess.Popen, str]]) -> bool:
@@ -206,11 +433,13 @@ def _reap(running: dict[int, tuple[subprocess.Popen, str]]) -> bool:
             return False
         if pid == 0:
             return True
-        proc, record = running.pop(pid, (None, ""))
-        if proc is None:
-            continue  # an orphan of some task, or a start that failed after its fork
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: the Popen must not wait for it again
-        _record(record, _result(proc.returncode))
+        if pid not in running:
+            continue  # an orphan of some task, an account's keeper, or a start that failed after its fork
+        proc, record = running.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if proc is not None:
+            proc.returncode = code  # reaped here: the Popen must not wait for it again
+        _record(record, _result(code))  # this keeper's task, or one an account's keeper left when it ended
 
 
 def record_orphan(pid: int, record: str) -> dict | None:
@@ -266,10 +495,14 @@ def _close(fds: list[int]) -> None:
 
 def become_subreaper() -> bool:
     """Make this process the reaper of its orphaned descendants (Linux's PR_SET_CHILD_SUBREAPER); False elsewhere."""
+    return _prctl(36, 1)
+
+
+def _prctl(option: int, value: int) -> bool:
     try:
         import ctypes
 
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

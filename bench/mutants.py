@@ -468,6 +468,8 @@ MUTANTS: tuple[Mutant, ...] = (
     M("a-busy-account-keeper-ended", "an account's tasks from its own keeper", "services/inventory/launcher.py",
       "idle = [(k.used, kk) for kk, k in self.keepers.items() if not k.tasks]",
       "idle = [(k.used, kk) for kk, k in self.keepers.items()]"),
+    M("account-keeper-keeps-the-roots-descriptors", "an account's tasks from its own keeper",
+      "services/inventory/launcher.py", "                os.closerange(3, keep)  #", "                pass  #"),
     M("a-stuck-account-keeper-awaited", "an account's tasks from its own keeper", "services/inventory/launcher.py",
       "ACCOUNT_REPLY_S = 3.0", "ACCOUNT_REPLY_S = 30.0"),
     M("account-keepers-outlive-their-keeper", "an account's tasks from its own keeper",

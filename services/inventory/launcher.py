@@ -127,7 +127,7 @@ def serve(fd: int) -> int:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     sock = socket.socket(fileno=fd)
     running: dict[int, tuple[subprocess.Popen | None, str]] = {}
-    accounts = Accounts(running, inherited=lambda: [sock.fileno(), wake_r, wake_w])
+    accounts = Accounts(running)
     serving = True
     while serving or _reap(running):
         ready = select.select(([sock] if serving else []) + [wake_r, *accounts.sockets()], [], [],
@@ -300,8 +300,8 @@ class AccountKeeper:
 class Accounts:
     """This keeper's account keepers, by (uid, gid, groups)."""
 
-    def __init__(self, running: dict[int, tuple[subprocess.Popen | None, str]], inherited) -> None:
-        self.running, self.inherited = running, inherited
+    def __init__(self, running: dict[int, tuple[subprocess.Popen | None, str]]) -> None:
+        self.running = running
         self.keepers: dict[tuple, AccountKeeper] = {}
         self.ending: list[AccountKeeper] = []  # closed: read until each ends
 
@@ -345,10 +345,9 @@ class Accounts:
             code = 1
             try:
                 signal.set_wakeup_fd(-1)
-                mine = [*self.keepers.values(), *self.ending]
-                for fd in [*self.inherited(), ours.fileno(), *(k.sock.fileno() for k in mine), *(k.pidfd for k in mine)]:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+                keep = theirs.fileno()  # and stdin, stdout, stderr: not the agent's socket, the other keepers', a
+                os.closerange(3, keep)  # task's logs (their objects, still referenced, are never closed again here)
+                os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
                 code = serve_account(theirs, uid, gid, groups)
             except BaseException:  # noqa: BLE001 - never back into this keeper's loop
                 traceback.print_exc()

@@ -362,6 +362,10 @@ def test_a_task_of_another_account_is_started_by_a_keeper_that_is_that_account_a
         assert field(keeper, "Uid") == [str(NOBODY)] * 4 and field(keeper, "Gid") == [str(NOBODY)] * 4
         assert field(keeper, "Groups") == [], "exactly the request's groups: none"
         assert os.stat(f"/proc/{keeper}/environ").st_uid == 0, "not dumpable: no ptrace, no /proc of it for nobody"
+        held = sorted(int(f) for f in os.listdir(f"/proc/{keeper}/fd"))
+        assert len(held) <= 6 and all(f < 3 or stat.S_ISSOCK(os.stat(f"/proc/{keeper}/fd/{f}").st_mode) or
+                                      os.readlink(f"/proc/{keeper}/fd/{f}").startswith("pipe:") for f in held), \
+            "its socket and wake-up pipe: none of the root keeper's (the agent's socket, another task's logs)"
         assert until(lambda: (closed_dir / "stdout.log").read_text().splitlines()[:2] == [str(closed_dir), str(NOBODY)])
         assert os.getsid(pid) == pid, "the task leads its own session"
         sockets = [f for f in os.listdir(f"/proc/{pid}/fd") if stat.S_ISSOCK(os.stat(f"/proc/{pid}/fd/{f}").st_mode)]

@@ -27,6 +27,8 @@ SIGKILL, to the whole group. A task that moves itself to another group or sessio
 Standard library only: it starts in milliseconds.
 """
 
+from __future__ import annotations
+
 import argparse
 import contextlib
 import functools
@@ -126,7 +128,7 @@ def serve(fd: int) -> int:
     signal.set_wakeup_fd(wake_w)  # SIGCHLD wakes the select below
     signal.signal(signal.SIGCHLD, lambda *_: None)
     sock = socket.socket(fileno=fd)
-    running: dict[int, tuple[subprocess.Popen | None, str]] = {}
+    running: dict[int, tuple[Starter, str]] = {}  # task pid -> (what started it, its record)
     accounts = Accounts(running)
     serving = True
     while serving or _reap(running):
@@ -148,8 +150,7 @@ def serve(fd: int) -> int:
     return 0
 
 
-def _serve_one(sock: socket.socket, running: dict[int, tuple[subprocess.Popen | None, str]],
-               accounts: "Accounts | None" = None) -> bool:
+def _serve_one(sock: socket.socket, running: dict[int, tuple[Starter, str]], accounts: Accounts | None = None) -> bool:
     """One request: start its task and answer; False once the agent is gone."""
     try:
         body, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
@@ -180,7 +181,7 @@ def _serve_one(sock: socket.socket, running: dict[int, tuple[subprocess.Popen | 
             pid, refused = keeper.start(cmd, cwd, fds, env)
             if refused is not None:
                 return _reply(sock, "pid 0" if _record(args.record, refused) else f"error cannot record {args.record}")
-            running[pid] = (None, args.record)
+            running[pid] = (keeper, args.record)
             return _reply(sock, f"pid {pid}")
         proc = start(args, cmd, cwd, fds[0], fds[1], env)
     except (OSError, ValueError, TypeError, subprocess.SubprocessError) as e:
@@ -232,7 +233,7 @@ PR_SET_DUMPABLE = 4
 
 
 class AccountKeeper:
-    def __init__(self, pid: int, sock: socket.socket, running: dict[int, tuple[subprocess.Popen | None, str]]) -> None:
+    def __init__(self, pid: int, sock: socket.socket, running: dict[int, tuple[Starter, str]]) -> None:
         self.sock, self.running = sock, running
         self.pidfd = os.pidfd_open(pid)  # signalled through this: its pid may be reaped and reused meanwhile
         self.tasks: set[int] = set()  # the pids it started that have not ended
@@ -276,11 +277,9 @@ class AccountKeeper:
             return None
         if "exit" in said:
             pid, code = said["exit"]
-            if pid in self.tasks:  # its own tasks only
+            if pid in self.tasks and self.running.get(pid, (None,))[0] is self:  # its own tasks only
                 self.tasks.discard(pid)
-                _, record = self.running.pop(pid, (None, ""))
-                if record:
-                    _record(record, _result(code))
+                _record(self.running.pop(pid)[1], _result(code))
         return said
 
     def close(self) -> None:
@@ -297,10 +296,13 @@ class AccountKeeper:
         self.sock.close()
 
 
+Starter = subprocess.Popen | AccountKeeper  # a task started here, or by an account's keeper
+
+
 class Accounts:
     """This keeper's account keepers, by (uid, gid, groups)."""
 
-    def __init__(self, running: dict[int, tuple[subprocess.Popen | None, str]]) -> None:
+    def __init__(self, running: dict[int, tuple[Starter, str]]) -> None:
         self.running = running
         self.keepers: dict[tuple, AccountKeeper] = {}
         self.ending: list[AccountKeeper] = []  # closed: read until each ends
@@ -423,7 +425,7 @@ def _reaped(running: dict[int, subprocess.Popen]) -> list[tuple[int, int]]:
             out.append((pid, proc.returncode))
 
 
-def _reap(running: dict[int, tuple[subprocess.Popen, str]]) -> bool:
+def _reap(running: dict[int, tuple[Starter, str]]) -> bool:
     """Reap every child that ended and record the tasks among them; whether any child is left."""
     while True:
         try:
@@ -436,7 +438,7 @@ def _reap(running: dict[int, tuple[subprocess.Popen, str]]) -> bool:
             continue  # an orphan of some task, an account's keeper, or a start that failed after its fork
         proc, record = running.pop(pid)
         code = os.waitstatus_to_exitcode(status)
-        if proc is not None:
+        if isinstance(proc, subprocess.Popen):
             proc.returncode = code  # reaped here: the Popen must not wait for it again
         _record(record, _result(code))  # this keeper's task, or one an account's keeper left when it ended
 

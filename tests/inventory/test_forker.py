@@ -332,7 +332,20 @@ def field(pid: int, name: str) -> list[str]:
 
 
 def account_keepers(forker: Forker) -> list[int]:
-    return [p for p in children(forker.proc.pid) if field(p, "Uid")[0] != "0"]
+    out = []
+    for p in children(forker.proc.pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # one that ended meanwhile
+            if field(p, "Uid")[0] != "0" and field(p, "State")[0] != "Z":
+                out.append(p)
+    return out
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie its parent has yet to reap."""
+    try:
+        return field(pid, "State")[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
 
 
 def children(pid: int) -> list[int]:
@@ -443,7 +456,7 @@ def test_an_account_keeper_that_does_not_answer_is_killed_and_its_task_refused_w
         assert time.monotonic() - t < launcher.ACCOUNT_REPLY_S + 1.5
         assert exit_record(tmp_path / "b") == {"code": 126, "reason": "cannot start true: the keeper of its account "
                                                                         "did not answer"}
-        assert until(lambda: gone(keeper) or field(keeper, "State")[0] == "Z"), "killed"
+        assert until(lambda: ended(keeper)), "killed"
         started_as(forker, tmp_path / "c", NOBODY, "sh", "-c", "exit 4")
         assert exit_record(tmp_path / "c") == {"code": 4}
     finally:
@@ -457,7 +470,7 @@ def test_a_closed_keeper_ends_its_account_keepers_and_still_records_their_tasks(
     try:
         keeper, proc = parent(pid), forker.proc
         forker.sock.close()
-        assert until(lambda: gone(keeper) or field(keeper, "State")[0] == "Z"), "its account keeper ends"
+        assert until(lambda: ended(keeper)), "its account keeper ends"
         with pytest.raises(subprocess.TimeoutExpired):
             proc.wait(0.3)  # the task runs on: the keeper stays to record it
         (tmp_path / "a" / "go").touch()
@@ -465,3 +478,36 @@ def test_a_closed_keeper_ends_its_account_keepers_and_still_records_their_tasks(
         assert proc.wait(5) == 0
     finally:
         kill_group(pid)
+
+
+@root_only
+def test_an_account_keeper_is_believed_only_about_the_tasks_it_started(forker, tmp_path):
+    """The root keeper records an exit an account's keeper tells only for a task that keeper started: never for
+    another account's task (a pid reused, a keeper gone wrong). The message is forged on the keeper's own socket,
+    taken from it as root (pidfd_getfd)."""
+    import ctypes
+    os.chmod(tmp_path, 0o777)
+    mine = started_as(forker, tmp_path / "a", NOBODY, "sleep", "30")
+    other = started_as(forker, tmp_path / "b", 70000, "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 4")
+    try:
+        keeper = parent(mine)
+        assert keeper != parent(other)
+        (fd,) = [int(f) for f in os.listdir(f"/proc/{keeper}/fd")
+                 if stat.S_ISSOCK(os.stat(f"/proc/{keeper}/fd/{f}").st_mode)]
+        pidfd = os.pidfd_open(keeper)
+        try:
+            stolen = ctypes.CDLL(None, use_errno=True).syscall(438, pidfd, fd, 0)  # pidfd_getfd
+            assert stolen >= 0, os.strerror(ctypes.get_errno())
+        finally:
+            os.close(pidfd)
+        with socket.socket(fileno=stolen) as s:
+            s.send(json.dumps({"exit": [other, 9]}).encode())
+        (tmp_path / "c").mkdir()
+        launch(forker, tmp_path / "c", "true")  # a round trip: the forged word was heard before its answer
+        assert exit_record(tmp_path / "c") == {"code": 0}
+        assert exited((tmp_path / "b" / "record").read_text() if (tmp_path / "b" / "record").exists() else "") is None
+        (tmp_path / "b" / "go").touch()
+        assert exit_record(tmp_path / "b") == {"code": 4}, "its own keeper's word, not the forged one"
+    finally:
+        kill_group(mine)
+        kill_group(other)

@@ -410,23 +410,8 @@ def serve_account(sock: socket.socket, uid: int, gid: int, groups: tuple[int, ..
             _close(fds)
 
 
-def _reaped(running: dict[int, subprocess.Popen]) -> list[tuple[int, int]]:
-    """Reap every child of an account's keeper that ended: (pid, return code) of each."""
-    out = []
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return out
-        if pid == 0:
-            return out
-        if (proc := running.pop(pid, None)) is not None:
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            out.append((pid, proc.returncode))
-
-
-def _reap(running: dict[int, tuple[Starter, str]]) -> bool:
-    """Reap every child that ended and record the tasks among them; whether any child is left."""
+def _reap_ended(ended: list[tuple[int, int]]) -> bool:
+    """Reap every child that has ended, (pid, return code) of each appended to ``ended``; whether any child is left."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -434,13 +419,33 @@ def _reap(running: dict[int, tuple[Starter, str]]) -> bool:
             return False
         if pid == 0:
             return True
+        ended.append((pid, os.waitstatus_to_exitcode(status)))
+
+
+def _reaped(running: dict[int, subprocess.Popen]) -> list[tuple[int, int]]:
+    """Reap every child of an account's keeper that ended: (pid, return code) of each of its tasks."""
+    ended: list[tuple[int, int]] = []
+    _reap_ended(ended)
+    out = []
+    for pid, code in ended:
+        if (proc := running.pop(pid, None)) is not None:
+            proc.returncode = code  # reaped here: the Popen must not wait for it again
+            out.append((pid, code))
+    return out
+
+
+def _reap(running: dict[int, tuple[Starter, str]]) -> bool:
+    """Reap every child that ended and record the tasks among them; whether any child is left."""
+    ended: list[tuple[int, int]] = []
+    left = _reap_ended(ended)
+    for pid, code in ended:
         if pid not in running:
             continue  # an orphan of some task, an account's keeper, or a start that failed after its fork
         proc, record = running.pop(pid)
-        code = os.waitstatus_to_exitcode(status)
         if isinstance(proc, subprocess.Popen):
             proc.returncode = code  # reaped here: the Popen must not wait for it again
         _record(record, _result(code))  # this keeper's task, or one an account's keeper left when it ended
+    return left
 
 
 def record_orphan(pid: int, record: str) -> dict | None:

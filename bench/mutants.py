@@ -134,7 +134,8 @@ RULES: dict[str, Rule] = {
     "an account's tasks from its own keeper": Rule(
         "a task of another account is started (with vfork) by a keeper that is that account and not dumpable, one per "
         "account, at most ACCOUNT_KEEPERS_MAX (then from the root keeper); its tasks' exits are recorded by the root "
-        "keeper, also once it was killed; one that does not answer is killed and the task refused",
+        "keeper, also once it was killed; one that does not answer, or says what it may not, is killed and the task "
+        "refused",
         ("tests/inventory/test_forker.py",)),
     "no fold under a reader": Rule("while a thread reads the projection (a snapshot, a cycle) no fold runs",
                                    ("tests/test_cycle_thread.py", "tests/test_snapshot_thread.py")),
@@ -462,6 +463,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "not _prctl(PR_SET_DUMPABLE, 0)", "not _prctl(PR_SET_DUMPABLE, 1)"),
     M("account-exits-not-recorded", "an account's tasks from its own keeper", "services/inventory/launcher.py",
       "                _record(self.running.pop(pid)[1], _result(code))", "                self.running.pop(pid)"),
+    M("an-account-keepers-word-unchecked", "an account's tasks from its own keeper", "services/inventory/launcher.py",
+      "said = _account_word(json.loads(body)) if body else None", "said = json.loads(body) if body else None"),
     M("another-keepers-exit-believed", "an account's tasks from its own keeper", "services/inventory/launcher.py",
       "if pid in self.tasks and self.running.get(pid, (None,))[0] is self:", "if pid in self.running:"),
     M("no-cap-on-account-keepers", "an account's tasks from its own keeper", "services/inventory/launcher.py",

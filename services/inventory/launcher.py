@@ -269,10 +269,10 @@ class AccountKeeper:
         """Read one message; an exit it reaped is recorded here. None once it is gone (it is then killed)."""
         try:
             body = self.sock.recv(4096)
-            said = json.loads(body) if body else None
+            said = _account_word(json.loads(body)) if body else None
         except (OSError, ValueError):
             said = None
-        if not isinstance(said, dict):
+        if said is None:  # gone, or said what it may not: never trusted again
             self.kill()
             return None
         if "exit" in said:
@@ -294,6 +294,28 @@ class AccountKeeper:
             os.close(self.pidfd)
             self.pidfd = -1
         self.sock.close()
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _account_word(said: object) -> dict | None:
+    """An account keeper's message if it is one of its three, well formed: ``{"pid": N}`` (N > 1), ``{"exit": [N,
+    CODE]}``, ``{"refused": {"code": C, "reason": R}}``; else None."""
+    if not isinstance(said, dict) or len(said) != 1:
+        return None
+    (kind, value), = said.items()
+    if kind == "pid":
+        ok = _is_int(value) and value > 1
+    elif kind == "exit":
+        ok = isinstance(value, list) and len(value) == 2 and all(_is_int(v) for v in value)
+    elif kind == "refused":
+        ok = isinstance(value, dict) and set(value) == {"code", "reason"} and _is_int(value["code"]) and \
+            isinstance(value["reason"], str)
+    else:
+        ok = False
+    return said if ok else None
 
 
 Starter = subprocess.Popen | AccountKeeper  # a task started here, or by an account's keeper

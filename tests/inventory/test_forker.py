@@ -485,22 +485,13 @@ def test_an_account_keeper_is_believed_only_about_the_tasks_it_started(forker, t
     """The root keeper records an exit an account's keeper tells only for a task that keeper started: never for
     another account's task (a pid reused, a keeper gone wrong). The message is forged on the keeper's own socket,
     taken from it as root (pidfd_getfd)."""
-    import ctypes
     os.chmod(tmp_path, 0o777)
     mine = started_as(forker, tmp_path / "a", NOBODY, "sleep", "30")
     other = started_as(forker, tmp_path / "b", 70000, "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 4")
     try:
         keeper = parent(mine)
         assert keeper != parent(other)
-        (fd,) = [int(f) for f in os.listdir(f"/proc/{keeper}/fd")
-                 if stat.S_ISSOCK(os.stat(f"/proc/{keeper}/fd/{f}").st_mode)]
-        pidfd = os.pidfd_open(keeper)
-        try:
-            stolen = ctypes.CDLL(None, use_errno=True).syscall(438, pidfd, fd, 0)  # pidfd_getfd
-            assert stolen >= 0, os.strerror(ctypes.get_errno())
-        finally:
-            os.close(pidfd)
-        with socket.socket(fileno=stolen) as s:
+        with keepers_socket(keeper) as s:
             s.send(json.dumps({"exit": [other, 9]}).encode())
         (tmp_path / "c").mkdir()
         launch(forker, tmp_path / "c", "true")  # a round trip: the forged word was heard before its answer
@@ -511,3 +502,42 @@ def test_an_account_keeper_is_believed_only_about_the_tasks_it_started(forker, t
     finally:
         kill_group(mine)
         kill_group(other)
+
+
+def keepers_socket(keeper: int) -> socket.socket:
+    """The account keeper's end of its socket to the root keeper, taken from it as root (pidfd_getfd)."""
+    import ctypes
+    (fd,) = [int(f) for f in os.listdir(f"/proc/{keeper}/fd") if stat.S_ISSOCK(os.stat(f"/proc/{keeper}/fd/{f}").st_mode)]
+    pidfd = os.pidfd_open(keeper)
+    try:
+        stolen = ctypes.CDLL(None, use_errno=True).syscall(438, pidfd, fd, 0)  # SYS_pidfd_getfd
+        assert stolen >= 0, os.strerror(ctypes.get_errno())
+    finally:
+        os.close(pidfd)
+    return socket.socket(fileno=stolen)
+
+
+@root_only
+@pytest.mark.parametrize("word", [b"not json", b'{"exit": "x"}', b'{"exit": [1, 2, 3]}', b'{"pid": "1"}',
+                                  b'{"refused": {"code": "x"}}', b'{"pid": 7, "exit": [7, 0]}', b"[]"])
+def test_a_malformed_word_from_an_account_keeper_ends_it_and_never_the_root_keeper(forker, tmp_path, word):
+    os.chmod(tmp_path, 0o777)
+    pid = started_as(forker, tmp_path / "a", NOBODY, "sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 6")
+    try:
+        keeper, root = parent(pid), forker.proc.pid
+        with keepers_socket(keeper) as s:
+            s.send(word)
+        assert until(lambda: ended(keeper)), "a keeper that said what it may not is killed"
+        assert forker.proc is not None and forker.proc.pid == root and forker.proc.poll() is None, "the root serves on"
+        (tmp_path / "a" / "go").touch()
+        assert exit_record(tmp_path / "a") == {"code": 6}, "its task, now the root keeper's, is recorded"
+        nxt = started_as(forker, tmp_path / "b", NOBODY, "sh", "-c", "exit 5")
+        assert exit_record(tmp_path / "b") == {"code": 5} and parent_or_none(nxt) != keeper
+    finally:
+        kill_group(pid)
+
+
+def parent_or_none(pid: int) -> int | None:
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        return parent(pid)
+    return None

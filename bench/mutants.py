@@ -157,6 +157,8 @@ RULES: dict[str, Rule] = {
                                "than REST x T later (T: its read and decision only once an event may have freed "
                                "room); a cycle long only in wall time does not rest the next",
                                ("tests/test_cycle_thread.py",)),
+    "a stop ends every timer": Rule("a stopping service cancels its timers again while one runs on (a cancellation "
+                                    "Python 3.11's wait_for lost)", ("tests/test_runtime.py",)),
     "the reaper wakes when due": Rule("the agent's reaper rests while every exit would wake it, and still runs at "
                                       "once on an exit, a stop, a refusal, and when a grace ends",
                                       ("tests/inventory/test_reaper_wake.py",)),
@@ -520,6 +522,8 @@ MUTANTS: tuple[Mutant, ...] = (
       '    result = {**result, "reason": result["reason"][:REASON_MAX]} if "reason" in result else result', ''),
     M("a-lagging-record-reported-lost", "every exit recorded", "services/inventory/agent.py",
       "            if now < t.record_due:", "            if False:"),
+    M("a-timer-cancelled-once", "a stop ends every timer", "shared/runtime.py",
+      "timeout=min(TIMER_RECANCEL_S, max(0.0, deadline - loop.time()))", "timeout=max(0.0, deadline - loop.time())"),
     M("folds-run-under-a-reader", "no fold under a reader", "shared/runtime.py",
       "        fold.readers += 1\n        fold.open.clear()\n", "        fold.readers += 1\n"),
     M("every-service-consumes", "one delivery per reacting service", "shared/runtime.py",

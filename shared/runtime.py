@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpuorch.runtime")
 
 STOP_TIMEOUT_S = 15  # the most a service may take to stop before it is cancelled (run_process)
+TIMER_RECANCEL_S = 0.1  # a stopping service cancels a timer again this often while it runs on (_stop_timers)
 
 
 class NotCaughtUp(api_errors.Unavailable):
@@ -309,12 +310,18 @@ class Service:
         return [asyncio.create_task(t(self), name=f"{self.name}-timer") for t in self.timers]
 
     async def _stop_timers(self, timers: list[asyncio.Task]) -> None:
-        for t in timers:
-            t.cancel()
-        if timers:
-            _, stuck = await asyncio.wait(timers, timeout=5)
+        """Cancel the timers, again every TIMER_RECANCEL_S while one runs on, up to 5 s: a cancellation can be lost
+        (Python 3.11's ``asyncio.wait_for``, inside nats-py's requests, returns the result that arrived with it), and
+        a timer that loops for ever then never ended (the split scheduler's ``keep_history`` held every Ctrl-C 5 s)."""
+        loop = asyncio.get_running_loop()
+        deadline, stuck = loop.time() + 5, set(timers)
+        while stuck and loop.time() < deadline:
             for t in stuck:
-                log.error("service=%s timer=%s did not stop within 5 s", self.name, t.get_coro())
+                t.cancel()
+            _, stuck = await asyncio.wait(stuck, timeout=min(TIMER_RECANCEL_S, max(0.0, deadline - loop.time())))
+        for t in stuck:
+            where = " -> ".join(awaiting(t.get_coro()))
+            log.error("service=%s timer=%s did not stop within 5 s (at %s)", self.name, t.get_coro(), where)
 
     async def _restore(self, log_: EventLog) -> bool:
         """Load the latest snapshot, parsed in a thread (the event loop keeps answering); False if there is none
@@ -699,3 +706,14 @@ async def serve_until_signal(server: "uvicorn.Server", signals: StopSignals | No
         await server.serve()
     finally:
         signals.close()
+
+
+def awaiting(coro: Any) -> list[str]:
+    """Where a coroutine waits: each frame of its chain of awaits, outermost first (a stuck timer's log line)."""
+    where = []
+    while coro is not None and len(where) < 20:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            where.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return where

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from prometheus_client import generate_latest
@@ -240,3 +241,25 @@ async def test_reactions_at_once_run_beside_the_fold_and_each_settles_its_own_ev
             info = await eventlog.js.consumer_info("GPUORCH", consumer)
             return info.num_ack_pending == 0 and info.num_pending == 0
         await until(settled, 10, "every event acknowledged")
+
+
+async def test_a_timer_that_lets_a_cancellation_pass_is_cancelled_again_and_ends_with_its_service(eventlog: EventLog):
+    """Python 3.11's wait_for (inside nats-py's requests) can return a reply that arrived with the cancellation and
+    drop it: a timer that loops for ever then ran on, and every stop of the split scheduler waited 5 s for it."""
+    cancels, started = [], asyncio.Event()
+
+    async def loses_one_cancellation(svc: Service) -> None:
+        started.set()
+        while True:
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                cancels.append(1)
+                if len(cancels) > 1:
+                    raise
+                asyncio.current_task().uncancel()  # as wait_for does when the reply wins
+
+    svc = scheduler(timers=[loses_one_cancellation])
+    async with running(svc, eventlog):
+        await asyncio.wait_for(started.wait(), 10)
+    assert len(cancels) == 2  # cancelled again, and it ended: before, it ran on and stop gave up on it after 5 s

@@ -163,7 +163,7 @@ async def run(jobs: int, batch: int, clients: int, rounds: int, restarts: int, d
                 "bench_loop_lag_during": lag_summary(lags), "restart": {
                     how: {"readyz_s": statistics.median(r["readyz_s"] for r in rs),
                           "all_ready_s": statistics.median(r["all_ready_s"] for r in rs), "runs": rs}
-                    for how, rs in restarts_out.items()},
+                    for how, rs in restarts_out.items() if rs},
                 "targets": TARGETS, "before": BEFORE}
     finally:
         stack.stop()

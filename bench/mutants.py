@@ -157,6 +157,9 @@ RULES: dict[str, Rule] = {
                                "than REST x T later (T: its read and decision only once an event may have freed "
                                "room); a cycle long only in wall time does not rest the next",
                                ("tests/test_cycle_thread.py",)),
+    "requests never wait for the thread pool": Rule("the caller and path-id dependencies run on the event loop: "
+                                                    "a read or a submission answers with every pool thread busy",
+                                                    ("tests/test_job_list.py",)),
     "a stop ends every timer": Rule("a stopping service cancels its timers again while one runs on (a cancellation "
                                     "Python 3.11's wait_for lost)", ("tests/test_runtime.py",)),
     "the reaper wakes when due": Rule("the agent's reaper rests while every exit would wake it, and still runs at "
@@ -522,6 +525,10 @@ MUTANTS: tuple[Mutant, ...] = (
       '    result = {**result, "reason": result["reason"][:REASON_MAX]} if "reason" in result else result', ''),
     M("a-lagging-record-reported-lost", "every exit recorded", "services/inventory/agent.py",
       "            if now < t.record_due:", "            if False:"),
+    M("the-caller-in-the-thread-pool", "requests never wait for the thread pool", "shared/auth.py",
+      "async def caller(request: Request) -> Principal:", "def caller(request: Request) -> Principal:"),
+    M("a-path-id-in-the-thread-pool", "requests never wait for the thread pool", "shared/api_errors.py",
+      "    async def check(value: str) -> str:", "    def check(value: str) -> str:"),
     M("a-timer-cancelled-once", "a stop ends every timer", "shared/runtime.py",
       "timeout=min(TIMER_RECANCEL_S, max(0.0, deadline - loop.time()))", "timeout=max(0.0, deadline - loop.time())"),
     M("folds-run-under-a-reader", "no fold under a reader", "shared/runtime.py",

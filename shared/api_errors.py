@@ -202,7 +202,7 @@ def path_id(name: str, pattern: str, noun: str) -> Any:
     that does not exist does (same body), before it reaches a lookup or a NATS subject."""
     rx = re.compile(pattern)
 
-    def check(value: str) -> str:
+    async def check(value: str) -> str:  # async: a plain def would run in the thread pool, a handoff per request
         if not rx.fullmatch(value):
             raise HTTPException(404, f"no {noun} {value}")
         return value

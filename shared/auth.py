@@ -388,8 +388,9 @@ async def authorize(request: Request) -> None:
     request.state.principal = principal
 
 
-def caller(request: Request) -> Principal:
-    """The authenticated caller of this request (set by ``authorize``)."""
+async def caller(request: Request) -> Principal:
+    """The authenticated caller of this request (set by ``authorize``). Async: FastAPI runs a plain ``def``
+    dependency in its thread pool, a thread handoff (and a wait for the GIL) for every request."""
     principal = getattr(request.state, "principal", None)
     if principal is None:
         raise HTTPException(401, "authentication required", headers={"WWW-Authenticate": 'Bearer realm="gpuorch"'})

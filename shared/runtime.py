@@ -520,11 +520,11 @@ def ops_router(services: list[Service]) -> APIRouter:
     r = APIRouter()
 
     @r.get("/healthz", tags=["ops"])
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @r.get("/v1/whoami", tags=["ops"])
-    def whoami(p: Annotated[Principal, Depends(caller)]) -> dict[str, Any]:
+    async def whoami(p: Annotated[Principal, Depends(caller)]) -> dict[str, Any]:
         return {"user": p.user, "groups": list(p.groups), "role": p.role, "via": p.via}
 
     if not services:  # a gateway answers readiness and metrics for the processes behind it
@@ -540,7 +540,7 @@ def ops_router(services: list[Service]) -> APIRouter:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @r.get("/readyz", tags=["ops"], responses={503: {"description": "not caught up with the log yet, or the log is unreachable"}})
-    def readyz(response: Response) -> dict[str, Any]:
+    async def readyz(response: Response) -> dict[str, Any]:
         """200 once every service has caught up with the log, and only while the log is reachable."""
         connected = all(s.log is not None and s.log.nc.is_connected for s in services)
         ready = connected and all(s.ready.is_set() for s in services)
@@ -548,7 +548,7 @@ def ops_router(services: list[Service]) -> APIRouter:
         return {"ready": ready, "log_connected": connected, "services": {s.name: s.ready.is_set() for s in services}}
 
     @r.get("/v1/services", tags=["ops"])
-    def service_status() -> list[dict[str, Any]]:
+    async def service_status() -> list[dict[str, Any]]:
         return [s.status() for s in services]
 
     return r

@@ -88,7 +88,7 @@ def router(svc: Service, scaler: "Autoscaler") -> APIRouter:
         return {"name": name, **body.model_dump(), "seq": seq}
 
     @r.get("/v1/pools")
-    def list_pools() -> list[dict[str, Any]]:
+    async def list_pools() -> list[dict[str, Any]]:
         out = []
         for name, p in sorted(proj.pools.items()):
             nodes = p["nodes"]
@@ -110,12 +110,12 @@ def router(svc: Service, scaler: "Autoscaler") -> APIRouter:
         return redact({"name": name, **spec, "seq": seq})
 
     @r.get("/v1/deployments")
-    def list_deployments() -> list[dict[str, Any]]:
+    async def list_deployments() -> list[dict[str, Any]]:
         return redact([{"name": k, **v, "live_replicas": len(scaler.replicas_of(k)),
                         "pending_requests": scaler.metrics_in.get(k, (0.0, 0.0))[0]} for k, v in sorted(proj.deployments.items())])
 
     @r.post("/v1/deployments/{name}/metrics")
-    def post_metrics(name: KnownDeployment, body: MetricsPost) -> dict[str, Any]:
+    async def post_metrics(name: KnownDeployment, body: MetricsPost) -> dict[str, Any]:
         if name not in proj.deployments:
             raise HTTPException(404, f"no deployment {name}")
         scaler.metrics_in[name] = (body.pending_requests, scaler.clock())

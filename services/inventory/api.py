@@ -59,11 +59,11 @@ def router(svc: Service) -> APIRouter:
     proj = svc.projection
 
     @r.get("/v1/nodes")
-    def list_nodes() -> list[dict[str, Any]]:
+    async def list_nodes() -> list[dict[str, Any]]:
         return [node_view(n) for n in proj.nodes.values()]
 
     @r.get("/v1/nodes/{node_id}")
-    def get_node(node_id: NodeIdPath) -> dict[str, Any]:
+    async def get_node(node_id: NodeIdPath) -> dict[str, Any]:
         node = proj.nodes.get(node_id)
         if node is None:
             raise HTTPException(404, f"no node {node_id}")

@@ -53,13 +53,17 @@ def router(svc: Service, half_life_s: float, clock: Callable[[], float] = time.t
     proj: ClusterProjection = svc.projection  # type: ignore[assignment]
 
     @r.get("/v1/queues")
-    def list_queues(since: Since = None, until: Until = None) -> list[dict[str, Any]]:
+    async def list_queues(since: Since = None, until: Until = None) -> list[dict[str, Any]]:
         """Every queue; amounts in GPUs, and for fair share (entitlement, fair share, dominant_gpus) in
         GPU-equivalents of the dominant resource: the same as GPUs unless a queue's jobs take a larger share
         of the cluster's CPU or memory than of its GPUs. Usage: ``gpu_hours`` held in [since, until) (the
         figure /v1/usage gives), and ``gpu_hours_decayed`` over all time with the half-life (what fair share
         weighs). ``overcommitted`` is true on every top-level queue when their guarantees add up to more GPUs
         than the cluster can divide now: not every guarantee can be met."""
+        # it walks every job: in a thread while no fold runs (in FastAPI's pool, folds changed what it walked)
+        return await svc.read_in_thread(lambda: queue_table(since, until))
+
+    def queue_table(since: str | None, until: str | None) -> list[dict[str, Any]]:
         now = clock()
         top_guaranteed = sum(spec.guaranteed.gpus for q, spec in proj.queues.items() if "." not in q)
         overcommitted = top_guaranteed > proj.capacity_gpus() + 1e-9
@@ -122,13 +126,13 @@ def router(svc: Service, half_life_s: float, clock: Callable[[], float] = time.t
         return {"path": path, "deleted": True, "seq": seq}
 
     @r.get("/v1/usage")
-    def usage(by: Annotated[str, Query(pattern="^queue$")] = "queue", since: Since = None,
-              until: Until = None) -> dict[str, Any]:
+    async def usage(by: Annotated[str, Query(pattern="^queue$")] = "queue", since: Since = None,
+                    until: Until = None) -> dict[str, Any]:
         """GPU-seconds held per queue in [since, until), like sreport: exactly what was held in the window
         (running jobs up to now)."""
         now = clock()
         lo, hi = window(since, until, now)
-        secs = proj.gpu_seconds(lo, hi, now)
+        secs = await svc.read_in_thread(lambda: proj.gpu_seconds(lo, hi, now))
         return {"by": by, "since": lo, "until": hi,
                 "queues": {q: {"gpu_hours": round(v / 3600, 4), "gpu_seconds": round(v, 3)}
                            for q, v in sorted(secs.items())}}

@@ -158,8 +158,9 @@ RULES: dict[str, Rule] = {
                                "room); a cycle long only in wall time does not rest the next",
                                ("tests/test_cycle_thread.py",)),
     "requests never wait for the thread pool": Rule("the caller and path-id dependencies run on the event loop: "
-                                                    "a read or a submission answers with every pool thread busy",
-                                                    ("tests/test_job_list.py",)),
+                                                    "a read or a submission answers with every pool thread busy; "
+                                                    "a route that encodes the whole state does it in a thread",
+                                                    ("tests/test_job_list.py", "tests/test_runtime.py")),
     "a stop ends every timer": Rule("a stopping service cancels its timers again while one runs on (a cancellation "
                                     "Python 3.11's wait_for lost)", ("tests/test_runtime.py",)),
     "the reaper wakes when due": Rule("the agent's reaper rests while every exit would wake it, and still runs at "
@@ -529,6 +530,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "async def caller(request: Request) -> Principal:", "def caller(request: Request) -> Principal:"),
     M("a-path-id-in-the-thread-pool", "requests never wait for the thread pool", "shared/api_errors.py",
       "    async def check(value: str) -> str:", "    def check(value: str) -> str:"),
+    M("the-digests-on-the-loop", "requests never wait for the thread pool", "shared/runtime.py",
+      "return [await s.read_in_thread(s.status) for s in services]", "return [s.status() for s in services]"),
     M("a-timer-cancelled-once", "a stop ends every timer", "shared/runtime.py",
       "timeout=min(TIMER_RECANCEL_S, max(0.0, deadline - loop.time()))", "timeout=max(0.0, deadline - loop.time())"),
     M("folds-run-under-a-reader", "no fold under a reader", "shared/runtime.py",

@@ -60,7 +60,8 @@ def router(svc: Service) -> APIRouter:
 
     @r.get("/v1/nodes")
     async def list_nodes() -> list[dict[str, Any]]:
-        return [node_view(n) for n in proj.nodes.values()]
+        # thousands of nodes: their views in a thread while no fold runs (the loop answers meanwhile)
+        return await svc.read_in_thread(lambda: [node_view(n) for n in proj.nodes.values()])
 
     @r.get("/v1/nodes/{node_id}")
     async def get_node(node_id: NodeIdPath) -> dict[str, Any]:

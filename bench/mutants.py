@@ -473,6 +473,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "said = _account_word(json.loads(body)) if body else None", "said = json.loads(body) if body else None"),
     M("another-keepers-exit-believed", "an account's tasks from its own keeper", "services/inventory/launcher.py",
       "if pid in self.tasks and self.running.get(pid, (None,))[0] is self:", "if pid in self.running:"),
+    M("an-account-keepers-pid-believed", "an account's tasks from its own keeper", "services/inventory/launcher.py",
+      'if _parent(said["pid"]) not in (self.pid, None):', "if False:"),
     M("no-cap-on-account-keepers", "an account's tasks from its own keeper", "services/inventory/launcher.py",
       "        if len(self.keepers) >= ACCOUNT_KEEPERS_MAX:", "        if False:"),
     M("a-busy-account-keeper-ended", "an account's tasks from its own keeper", "services/inventory/launcher.py",

@@ -234,7 +234,7 @@ PR_SET_DUMPABLE = 4
 
 class AccountKeeper:
     def __init__(self, pid: int, sock: socket.socket, running: dict[int, tuple[Starter, str]]) -> None:
-        self.sock, self.running = sock, running
+        self.pid, self.sock, self.running = pid, sock, running
         self.pidfd = os.pidfd_open(pid)  # signalled through this: its pid may be reaped and reused meanwhile
         self.tasks: set[int] = set()  # the pids it started that have not ended
         self.used = time.monotonic()
@@ -250,20 +250,23 @@ class AccountKeeper:
                 socket.send_fds(self.sock, [json.dumps({"argv": cmd, "env": env}).encode()], [*fds, where])
             finally:
                 os.close(where)
-            deadline = time.monotonic() + ACCOUNT_REPLY_S
+            deadline, why = time.monotonic() + ACCOUNT_REPLY_S, "did not answer"
             while (left := deadline - time.monotonic()) > 0 and select.select([self.sock], [], [], left)[0]:
                 said = self.hear()
                 if said is None:
                     break  # it is gone
                 if "pid" in said:
+                    if _parent(said["pid"]) not in (self.pid, None):  # the agent would signal that group as the task's
+                        why = f"told pid {said['pid']}, which it did not start"
+                        break
                     self.tasks.add(said["pid"])
                     return said["pid"], None
                 if "refused" in said:
                     return 0, said["refused"]
         except OSError:
-            pass
+            why = "did not answer"
         self.kill()
-        return 0, {"code": 126, "reason": f"cannot start {cmd[0]}: the keeper of its account did not answer"}
+        return 0, {"code": 126, "reason": f"cannot start {cmd[0]}: the keeper of its account {why}"}
 
     def hear(self) -> dict | None:
         """Read one message; an exit it reaped is recorded here. None once it is gone (it is then killed)."""
@@ -294,6 +297,15 @@ class AccountKeeper:
             os.close(self.pidfd)
             self.pidfd = -1
         self.sock.close()
+
+
+def _parent(pid: int) -> int | None:
+    """The parent of process ``pid``; None once it is gone (its keeper may have reaped it already)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b") ", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _is_int(x: object) -> bool:

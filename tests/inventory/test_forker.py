@@ -537,6 +537,40 @@ def test_a_malformed_word_from_an_account_keeper_ends_it_and_never_the_root_keep
         kill_group(pid)
 
 
+@root_only
+def test_a_pid_its_account_keeper_did_not_start_is_not_believed(forker, tmp_path):
+    """The root agent signals a task's process group when it stops it: a pid an account keeper tells for a request
+    must be its own child. A keeper that tells another (here a process of this test's, forged on its socket while
+    it is stopped) is killed and the task refused; the process is never handed to the agent as the task."""
+    import concurrent.futures
+
+    os.chmod(tmp_path, 0o755)
+    pid = started_as(forker, tmp_path / "a", NOBODY, "sleep", "30")
+    keeper = parent(pid)
+    victim = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        os.kill(keeper, signal.SIGSTOP)
+        with keepers_socket(keeper) as s, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            started = pool.submit(launch_as, forker, tmp_path / "b", NOBODY, "true")
+            until(lambda: readable(s))  # the root keeper's request, which the stopped account keeper cannot read
+            s.send(json.dumps({"pid": victim.pid}).encode())  # the root keeper now waits for this request's answer
+            assert started.result(timeout=10) == 0
+        assert exit_record(tmp_path / "b") == {"code": 126, "reason": f"cannot start true: the keeper of its account "
+                                                                        f"told pid {victim.pid}, which it did not start"}
+        assert until(lambda: ended(keeper)), "a keeper that told a pid not its own is killed"
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+        kill_group(pid)
+
+
+def readable(s: socket.socket) -> bool:
+    with contextlib.suppress(BlockingIOError):
+        return bool(s.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    return False
+
+
 def parent_or_none(pid: int) -> int | None:
     with contextlib.suppress(FileNotFoundError, ProcessLookupError):
         return parent(pid)

@@ -139,6 +139,9 @@ RULES: dict[str, Rule] = {
         ("tests/inventory/test_forker.py",)),
     "no fold under a reader": Rule("while a thread reads the projection (a snapshot, a cycle) no fold runs",
                                    ("tests/test_cycle_thread.py", "tests/test_snapshot_thread.py")),
+    "no reader starves the folds": Rule("a fold waiting for the threads that read the projection goes before any "
+                                        "reader that comes after it",
+                                        ("tests/test_snapshot_thread.py", "tests/test_cycle_thread.py")),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
                                               "the others ride on their folds, and each watch sees an event once",
                                               ("tests/test_fold_once.py",)),
@@ -538,6 +541,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "timeout=min(TIMER_RECANCEL_S, max(0.0, deadline - loop.time()))", "timeout=max(0.0, deadline - loop.time())"),
     M("folds-run-under-a-reader", "no fold under a reader", "shared/runtime.py",
       "        fold.readers += 1\n        fold.open.clear()\n", "        fold.readers += 1\n"),
+    M("readers-ahead-of-waiting-folds", "no reader starves the folds", "shared/runtime.py",
+      "        await fold.read_gate()\n", ""),
     M("every-service-consumes", "one delivery per reacting service", "shared/runtime.py",
       "        return self.reaction is None and any(", "        return False and any("),
     M("a-watch-on-every-delivery", "one delivery per reacting service", "shared/runtime.py",

@@ -122,7 +122,29 @@ class Fold:
         self.open = asyncio.Event()
         self.open.set()
         self.readers = 0  # threads reading the projection now (Service.read_in_thread): open again at none
+        # folds waiting for those readers; while there are any, no new reader starts (``read_gate``): reads that
+        # kept overlapping (32 clients polling /v1/queues) held every fold, and every POST waiting for one, seconds
+        self.folds_waiting = 0
+        self.drained = asyncio.Event()  # set while no fold waits
+        self.drained.set()
         self.snapshotting = asyncio.Lock()  # one snapshot at a time
+
+    async def turn(self) -> None:
+        """Until no thread reads the projection: a fold's turn. The readers that arrive meanwhile wait for it."""
+        self.folds_waiting += 1
+        self.drained.clear()
+        try:
+            while not self.open.is_set():
+                await self.open.wait()
+        finally:
+            self.folds_waiting -= 1
+            if not self.folds_waiting:
+                self.drained.set()
+
+    async def read_gate(self) -> None:
+        """Until no fold waits: a reader's turn (readers alone would take turns forever, and no fold would run)."""
+        while self.folds_waiting:
+            await self.drained.wait()
 
 
 def fold_once(services: list["Service"]) -> None:
@@ -263,7 +285,7 @@ class Service:
                 self.fold.restored = restored = await self._restore(log_)
             async for rec in log_.replay(self.projection.seq + 1):
                 if not self.fold.open.is_set():  # another service of the process is taking a snapshot
-                    await self.fold.open.wait()
+                    await self.fold.turn()
                 self._fold(rec)
         self.metrics.replay_seconds.labels(self.name).set(loop.time() - t0)
         log.info("service=%s ready seq=%d replay_s=%.3f restored=%s", self.name, self.projection.seq, loop.time() - t0, restored)
@@ -368,6 +390,7 @@ class Service:
         over 20,000 pending jobs) held every request up to seconds. The folds resume when the last such thread is
         done, not before, even if this is cancelled (a stop that took too long): the thread still reads."""
         fold = self.fold
+        await fold.read_gate()
         fold.readers += 1
         fold.open.clear()
 
@@ -411,8 +434,8 @@ class Service:
             s._wake()
 
     async def _on_message(self, rec: Record, msg: Msg) -> None:
-        if not self.fold.open.is_set():  # a snapshot is being taken: it must see no fold
-            await self.fold.open.wait()
+        if not self.fold.open.is_set():  # a thread reads the projection (a snapshot, a cycle, a GET): no fold now
+            await self.fold.turn()
         first = not isinstance(rec, Undecodable) and rec.seq > self.projection.seq
         env = self._fold(rec)
         if first and env is not None:

@@ -41,15 +41,22 @@ async def test_the_api_answers_while_a_cycle_reads_and_no_event_is_folded_under_
         try:
             await eventlog.append(Envelope(ev.NodeRegistered(node_id="n1", node=node("n1").gpus(4).build())))
             await asyncio.wait_for(parked.wait(), 15)  # a cycle reads the projection in a thread, and waits
+            r = await asyncio.wait_for(client.get("/v1/nodes"), 10)  # read in a thread too, beside the cycle's
+            assert r.status_code == 200 and [n["id"] for n in r.json()] == ["n1"]
             seq = await eventlog.append(Envelope(ev.NodeRegistered(node_id="n2", node=node("n2").gpus(4).build())))
-            r = await asyncio.wait_for(client.get("/v1/nodes"), 10)  # the loop is free: it answers meanwhile
+            r = await asyncio.wait_for(client.get("/v1/jobs"), 10)  # the loop is free: it answers meanwhile
             assert r.status_code == 200
+            # a read that comes while a fold waits goes after the fold (Fold.read_gate), so it sees n2
+            nodes = asyncio.create_task(client.get("/v1/nodes"))
             with contextlib.suppress(AssertionError):  # give a fold the time to happen, then look
                 await until(lambda: _true(proj.seq >= seq), 1.0)
             assert proj.seq == at[0], "an event was folded under the cycle's thread"
+            assert not nodes.done(), "a read went ahead of the fold waiting for the cycle's"
         finally:
             release.set()
         await until(lambda: _true(proj.seq >= seq), 10, "the folds to resume once the cycle is done")
+        r = await asyncio.wait_for(nodes, 10)
+        assert sorted(n["id"] for n in r.json()) == ["n1", "n2"]
 
 
 async def _true(value: bool) -> bool:

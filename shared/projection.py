@@ -21,6 +21,29 @@ from pydantic_core import from_json, to_json
 from shared.events import REGISTRY, UPCASTERS, Envelope, Event, LeaderElected
 
 
+def canonical(value: Any) -> str:
+    """The JSON a digest hashes: keys sorted, no spaces."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+class Canonical(str):
+    """A part of a digest's state, encoded already (``canonical``)."""
+
+
+def digest_parts(doc: dict[str, Any]) -> dict[str, str]:
+    """Each part of a ``Projection.digest_document`` encoded (in a thread of its own: it shares nothing)."""
+    return {k: v if isinstance(v, Canonical) else canonical(v) for k, v in doc.items()}
+
+
+def state_digest(pos: tuple[int, int, int], parts: dict[str, str], keys: frozenset[str] | None = None) -> str:
+    """sha256 of ``canonical({"applied": .., "invalid": .., "state": {k: part}})``, assembled from the parts encoded
+    already: the very bytes one ``canonical`` call on the whole would make."""
+    _, applied, invalid = pos
+    state = ",".join(f"{canonical(k)}:{v}" for k, v in sorted(parts.items()) if keys is None or k in keys)
+    body = f'{{"applied":{canonical(applied)},"invalid":{canonical(invalid)},"state":{{{state}}}}}'
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
 class SnapshotUnusable(Exception):
     """A snapshot this code must not read (another version, not a snapshot at all): replay the log instead."""
 
@@ -185,19 +208,33 @@ class Projection:
     def load(self, state: dict[str, Any]) -> None:
         pass
 
+    def position(self) -> tuple[int, int, int]:
+        """(seq, applied, invalid_count): what a digest is of, with the state."""
+        return self.seq, self.applied, self.invalid_count
+
     def digest(self, keys: frozenset[str] | None = None) -> str:
         """sha256 of the canonical state (only its ``keys``, for one service's view of a projection that several
-        share: shared.runtime.fold_once); cached per position, since a poll of /v1/services should not refold."""
-        key = (self.seq, self.applied, self.invalid_count, keys)
-        cache = self.__dict__.setdefault("_digests", {})
-        if key not in cache:
-            state = self.state()
-            body = {"applied": self.applied, "invalid": self.invalid_count,
-                    "state": state if keys is None else {k: v for k, v in state.items() if k in keys}}
-            if len(cache) > 16:
-                cache.clear()
-            cache[key] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
-        return cache[key]
+        share: shared.runtime.fold_once); cached per position, since a poll of /v1/services should not refold, and
+        its parts encoded once per position for all the services that share it."""
+        pos = self.position()
+        parts = self.digest_parts_at(pos)
+        if parts is None:
+            parts = self.keep_digest_parts(pos, digest_parts(self.digest_document()))
+        return state_digest(pos, parts, keys)
+
+    def digest_document(self) -> dict[str, Any]:
+        """The state, every part of it that the folds change encoded already (``Canonical``); the FRESH_STATE parts
+        (a backlog's jobs: most of the work) are left to encode (``digest_parts``), after the folds resume. Reads the
+        projection and changes nothing, so it may run in a thread while nothing folds (``Service.read_in_thread``)."""
+        return {k: v if k in self.FRESH_STATE else Canonical(canonical(v)) for k, v in self.state().items()}
+
+    def digest_parts_at(self, pos: tuple[int, int, int]) -> dict[str, str] | None:
+        kept = self.__dict__.get("_digest_parts")
+        return kept[1] if kept is not None and kept[0] == pos else None
+
+    def keep_digest_parts(self, pos: tuple[int, int, int], parts: dict[str, str]) -> dict[str, str]:
+        self.__dict__["_digest_parts"] = (pos, parts)
+        return parts
 
     # keys of ``state()`` whose values it builds anew at every call, sharing nothing the folds change: a snapshot
     # encodes them after the folds resume (``snapshot_document``)

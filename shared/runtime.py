@@ -34,7 +34,7 @@ from shared.auth import Authenticator, Principal, authorize, caller
 from shared.eventlog import EventLog, Record, Undecodable
 from shared.events import Envelope, Event
 from shared.instance import INSTANCE_BUCKET, INSTANCE_TTL_S, InstanceLock, InstanceTaken
-from shared.projection import Projection, SnapshotUnusable, encode_json
+from shared.projection import Projection, SnapshotUnusable, digest_parts, encode_json, state_digest
 from shared.telemetry import current_traceparent
 
 if TYPE_CHECKING:
@@ -128,6 +128,7 @@ class Fold:
         self.drained = asyncio.Event()  # set while no fold waits
         self.drained.set()
         self.snapshotting = asyncio.Lock()  # one snapshot at a time
+        self.digesting = asyncio.Lock()  # one encoding of the digests' parts at a time (``statuses``)
 
     async def turn(self) -> None:
         """Until no thread reads the projection: a fold's turn. The readers that arrive meanwhile wait for it."""
@@ -528,14 +529,37 @@ class Service:
         return Envelope(event, source=f"/gpuorch/{self.name}", epoch=epoch, traceparent=current_traceparent(), actor=actor)
 
     def status(self) -> dict[str, Any]:
-        return {
-            "service": self.name,
-            "ready": self.ready.is_set(),
-            "seq": self.projection.seq,
-            "applied": self.projection.applied,
-            "digest": self.projection.digest(self.state_keys),
-            "invalid_transitions": self.projection.invalid_count,
-        }
+        return self.status_at(self.projection.position(), self.projection.digest(self.state_keys))
+
+    def status_at(self, pos: tuple[int, int, int], digest: str) -> dict[str, Any]:
+        seq, applied, invalid = pos
+        return {"service": self.name, "ready": self.ready.is_set(), "seq": seq, "applied": applied, "digest": digest,
+                "invalid_transitions": invalid}
+
+
+async def statuses(services: list[Service]) -> list[dict[str, Any]]:
+    """Every service's status, its digest of its projection's state: the services that share a projection
+    (fold_once) read it once, in a thread while the folds are held, and only for as long as the state takes to
+    copy out (``Projection.digest_document``); its encoding, most of the work, is done in a thread while the folds
+    go on, once for all of them (at 20,000 queued jobs, five services' digests took 1.8-2 s, the folds held)."""
+    out: dict[str, dict[str, Any]] = {}
+    for fold in {id(s.fold): s.fold for s in services}.values():
+        proj = fold.projection
+
+        def read() -> tuple[tuple[int, int, int], dict[str, str] | None, dict[str, Any]]:
+            pos = proj.position()
+            parts = proj.digest_parts_at(pos)  # encoded already at this position: nothing to copy
+            return pos, parts, {} if parts is not None else proj.digest_document()
+        mine = [s for s in services if s.fold is fold]
+        async with fold.digesting:  # callers at once wait for one encoding, then find it kept if nothing moved
+            pos = proj.position()  # on the loop, where the folds run: no thread to read what is kept
+            if (parts := proj.digest_parts_at(pos)) is None:
+                pos, parts, doc = await mine[0].read_in_thread(read)
+            if parts is None:
+                parts = proj.keep_digest_parts(pos, await asyncio.to_thread(digest_parts, doc))
+        for s in mine:
+            out[s.name] = s.status_at(pos, state_digest(pos, parts, s.state_keys))
+    return [out[s.name] for s in services]
 
 
 def ops_router(services: list[Service]) -> APIRouter:
@@ -559,7 +583,13 @@ def ops_router(services: list[Service]) -> APIRouter:
         for m in {id(s.metrics): s.metrics for s in services}.values():
             await m.update_lag([s for s in services if s.metrics is m])
         registries = {id(s.metrics.registry): s.metrics.registry for s in services}
-        body = b"".join(generate_latest(reg) for reg in registries.values())
+
+        def scrape() -> bytes:
+            return b"".join(generate_latest(reg) for reg in registries.values())
+        # the collectors walk every job (at 20,000 queued jobs a scrape took 90-220 ms, the loop held): in a thread
+        # while the folds are held, when one projection is all they read (fold_once), else on the loop as before
+        folds = {id(s.fold) for s in services}
+        body = await services[0].read_in_thread(scrape) if len(folds) == 1 else scrape()
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @r.get("/readyz", tags=["ops"], responses={503: {"description": "not caught up with the log yet, or the log is unreachable"}})
@@ -572,9 +602,7 @@ def ops_router(services: list[Service]) -> APIRouter:
 
     @r.get("/v1/services", tags=["ops"])
     async def service_status() -> list[dict[str, Any]]:
-        # each digest encodes the whole state (0.6 s for 20,000 jobs): in a thread while the folds are held, so the
-        # loop answers meanwhile and the digest is of the position it is cached under
-        return [await s.read_in_thread(s.status) for s in services]
+        return await statuses(services)
 
     return r
 

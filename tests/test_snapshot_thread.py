@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import threading
 import time
 
@@ -24,6 +26,7 @@ from shared.events import Envelope
 from shared.model import GpuAmount, QueueSpec
 from shared.projection import CHUNK, encode_json
 from shared.projection import Projection
+from shared import runtime
 from shared.runtime import Service, fold_once
 from tests.support import eventually, running
 
@@ -200,3 +203,67 @@ async def test_reads_that_keep_overlapping_do_not_hold_the_folds(eventlog: Event
         finally:
             storm = False
             await asyncio.gather(*readers)
+
+
+KINDS = (("scheduler", SchedulerProjection), ("quota", QuotaProjection), ("inventory", InventoryProjection),
+         ("autoscaler", AutoscalerProjection), ("health", HealthProjection))
+
+
+def oracle_digest(proj: Projection, keys: frozenset[str] | None) -> str:
+    """The digest as one canonical JSON of the whole body (how it was made before it came in parts)."""
+    state = proj.state()
+    body = {"applied": proj.applied, "invalid": proj.invalid_count,
+            "state": state if keys is None else {k: v for k, v in state.items() if k in keys}}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def test_a_digest_made_of_parts_is_the_digest_of_the_whole():
+    services = [Service(name, kind()) for name, kind in KINDS]
+    fold_once(services)
+    proj = services[0].projection
+    for i, env in enumerate(workload(3000), 1):
+        proj.apply(env)
+        if i % 700 == 0:
+            for s in services:
+                assert proj.digest(s.state_keys) == oracle_digest(proj, s.state_keys), (s.name, i)
+    assert len({proj.digest(s.state_keys) for s in services}) == 3, "the services' views differ"
+    assert proj.digest() == oracle_digest(proj, None)
+    assert SchedulerProjection().digest() == oracle_digest(SchedulerProjection(), None)
+
+
+async def test_the_services_digests_are_encoded_while_the_folds_go_on_and_are_of_the_position_they_name(
+        eventlog: EventLog, monkeypatch: pytest.MonkeyPatch):
+    """GET /v1/services (``statuses``): the folds wait only while the state is copied out; its encoding, once for
+    every service of the projection, waits here for the test while events are folded; each digest is then the
+    state's at the sequence its status names, not at the one the projection has moved to."""
+    envs = list(workload(400))
+    loop, parked, release = asyncio.get_running_loop(), asyncio.Event(), threading.Event()
+    encoded = []
+
+    def parts(doc: dict) -> dict:
+        encoded.append(True)
+        loop.call_soon_threadsafe(parked.set)
+        release.wait(30)
+        return real(doc)
+    real = runtime.digest_parts
+    monkeypatch.setattr(runtime, "digest_parts", parts)
+    services = [Service(name, kind()) for name, kind in KINDS]
+    fold_once(services)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            for s in services:
+                await stack.enter_async_context(running(s, eventlog))
+            await eventlog.append_many(envs[:200])
+            await eventually(lambda: services[0].projection.seq == 200, what="the first events folded")
+            answer = asyncio.create_task(runtime.statuses(services))
+            await asyncio.wait_for(parked.wait(), 15)
+            await eventlog.append_many(envs[200:])
+            await eventually(lambda: services[0].projection.seq == len(envs), what="folds while the digests encode")
+            release.set()
+            got = await asyncio.wait_for(answer, 15)
+    finally:
+        release.set()
+    assert len(encoded) == 1, "encoded once for the five services"
+    at = await replayed_to(eventlog, 200, type(services[0].projection))
+    assert [g["seq"] for g in got] == [200] * 5
+    assert [g["digest"] for g in got] == [oracle_digest(at, s.state_keys) for s in services]

@@ -3,6 +3,7 @@ stack; and the glue from settings and queue specs to the ``Policy`` the core rea
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from services.scheduler.core import Policy
 from services.scheduler.decide import configured_policy, decide, effective_priority, queue_policy
 from services.scheduler.snapshot import pending_view
-from shared.fairshare import job_share
+from shared import cluster as cluster_module
+from shared.fairshare import Ratios, job_share
 from shared.model import GpuAmount, QueueSpec
 from shared.settings import Settings
 from tests.builders import ClusterBuilder, cluster, job, node
@@ -162,6 +164,25 @@ def test_the_one_pass_load_is_each_jobs_share_summed_by_state() -> None:
     assert share["b9"] > 1, "the oracle's shares are dominant-resource shares, not GPUs"
     assert c.proj.queue_load() == (load.alloc, load.pending)
     assert c.proj.queue_load(waited_before=NOW - 50) == (load.alloc, load.waited)
+
+
+def test_a_jobs_share_is_kept_for_gpus_and_for_dominant_shares_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GET /v1/queues and a scrape ask every job's share in GPUs and in dominant shares, in turn: each is kept (with
+    one kept, each asking made it anew for every job), and made again when the spec changes. Right values: the
+    oracle is ``job_share`` called directly, before the count starts."""
+    c = borrowed()
+    c.pending(job("b9").gpus(1).cpu(60_000).queue("b").build(), "b9")
+    ratios, gpus = c.proj.share_ratios(), Ratios()
+    want = {r: {j.job_id: job_share(j.spec, r) for j in c.proj.jobs.values()} for r in (ratios, gpus)}
+    made = []
+    monkeypatch.setattr(cluster_module, "job_share", lambda spec, r: made.append(spec) or job_share(spec, r))
+    for _ in range(3):
+        for r in (ratios, gpus, Ratios(*dataclasses.astuple(ratios))):
+            assert {j.job_id: j.share(r) for j in c.proj.jobs.values()} == want[gpus if r == gpus else ratios]
+    assert len(made) == 2 * len(c.proj.jobs), "each job's share made once per ratios"
+    record = c.proj.jobs["b9"]
+    record.spec = job("b9").gpus(2).queue("b").build()
+    assert record.share(gpus) == 2.0 and len(made) == 2 * len(c.proj.jobs) + 1
 
 
 def test_a_waiting_jobs_view_is_made_once_and_again_when_the_job_changes() -> None:

@@ -145,6 +145,24 @@ async def restart(stack: Stack, how: str) -> dict[str, float]:
         await asyncio.sleep(0.05)
 
 
+OTHERS = ("/v1/queues", "/v1/usage", "/v1/nodes", "/v1/services", "/metrics")
+
+
+async def others(stack: Stack, rounds: int = 10) -> dict[str, dict[str, float]]:
+    """The other reads a dashboard or an operator polls, with the backlog (each walks every job, or did): p50 and
+    the slowest of ``rounds`` calls, one after another."""
+    out = {}
+    for path in OTHERS:
+        times = []
+        for _ in range(rounds):
+            t0 = time.monotonic()
+            r = await stack.api.get(path, timeout=60)
+            assert r.status_code == 200, r.text
+            times.append(time.monotonic() - t0)
+        out[path] = {"p50_ms": round(statistics.median(times) * 1000, 1), "max_ms": round(max(times) * 1000, 1)}
+    return out
+
+
 async def run(jobs: int, batch: int, clients: int, rounds: int, restarts: int, data_dir: Path) -> dict:
     stack = Stack(data_dir, "t4-4x:1", split=False)
     stack.start()
@@ -156,10 +174,11 @@ async def run(jobs: int, batch: int, clients: int, rounds: int, restarts: int, d
         (flood_s, slow), during, _ = await asyncio.gather(flood(stack, jobs, batch, clients, done),
                                                           measure(stack, done, 0, depth), own_lag(done, lags))
         after = await measure(stack, None, rounds, depth)
+        other_reads = await others(stack)
         restarts_out = {how: [await restart(stack, how) for _ in range(restarts)] for how in ("sigint", "sigkill")}
         count = len((await stack.api.get("/v1/jobs", params={"limit": 1000})).json())
         return {"cores": len(os.sched_getaffinity(0)), "jobs": jobs, "flood_s": round(flood_s, 1), "flood_503": slow,
-                "first_page_after_restart": count, "during": during, "after": after,
+                "first_page_after_restart": count, "during": during, "after": after, "others_after": other_reads,
                 "bench_loop_lag_during": lag_summary(lags), "restart": {
                     how: {"readyz_s": statistics.median(r["readyz_s"] for r in rs),
                           "all_ready_s": statistics.median(r["all_ready_s"] for r in rs), "runs": rs}
@@ -181,6 +200,8 @@ def show(out: dict) -> None:
               f"{lag['over_100_ms']} times over 100 ms")
     for how, r in out["restart"].items():
         print(f"  restart after {how:<7}: /readyz {r['readyz_s']} s, every service ready {r['all_ready_s']} s")
+    for path, q in out.get("others_after", {}).items():
+        print(f"  GET {path:<21} after : p50 {q['p50_ms']} ms, slowest {q['max_ms']} ms (10 calls)")
     print(f"  targets: p99 <= {TARGETS['list_p99_s'] * 1000:.0f} ms, restart <= {TARGETS['restart_s']} s; before: "
           f"p99 {BEFORE['list_p99_during_s']} s during / {BEFORE['list_p99_after_s']} s after, restart "
           f"{BEFORE['restart_clean_s']} s clean / {BEFORE['restart_sigkill_s']} s after SIGKILL")

@@ -214,13 +214,16 @@ class Projection:
 
     def digest(self, keys: frozenset[str] | None = None) -> str:
         """sha256 of the canonical state (only its ``keys``, for one service's view of a projection that several
-        share: shared.runtime.fold_once); cached per position, since a poll of /v1/services should not refold, and
+        share: shared.runtime.fold_once); kept per position, since a poll of /v1/services should not refold, and
         its parts encoded once per position for all the services that share it."""
         pos = self.position()
-        parts = self.digest_parts_at(pos)
-        if parts is None:
-            parts = self.keep_digest_parts(pos, digest_parts(self.digest_document()))
-        return state_digest(pos, parts, keys)
+        found = self.digest_kept(pos, keys)
+        if found is None:
+            parts = self.digest_parts_at(pos)
+            if parts is None:
+                parts = digest_parts(self.digest_document())
+            found = self.keep_digest(pos, parts, keys, state_digest(pos, parts, keys))
+        return found
 
     def digest_document(self) -> dict[str, Any]:
         """The state, every part of it that the folds change encoded already (``Canonical``); the FRESH_STATE parts
@@ -228,13 +231,22 @@ class Projection:
         projection and changes nothing, so it may run in a thread while nothing folds (``Service.read_in_thread``)."""
         return {k: v if k in self.FRESH_STATE else Canonical(canonical(v)) for k, v in self.state().items()}
 
+    def digest_kept(self, pos: tuple[int, int, int], keys: frozenset[str] | None) -> str | None:
+        kept = self.__dict__.get("_digest")
+        return kept[2].get(keys) if kept is not None and kept[0] == pos else None
+
     def digest_parts_at(self, pos: tuple[int, int, int]) -> dict[str, str] | None:
-        kept = self.__dict__.get("_digest_parts")
+        kept = self.__dict__.get("_digest")
         return kept[1] if kept is not None and kept[0] == pos else None
 
-    def keep_digest_parts(self, pos: tuple[int, int, int], parts: dict[str, str]) -> dict[str, str]:
-        self.__dict__["_digest_parts"] = (pos, parts)
-        return parts
+    def keep_digest(self, pos: tuple[int, int, int], parts: dict[str, str], keys: frozenset[str] | None,
+                    digest: str) -> str:
+        """Keep ``digest`` (of ``parts``, the state's at ``pos``): only the latest position's are kept."""
+        kept = self.__dict__.get("_digest")
+        if kept is None or kept[0] != pos:
+            kept = self.__dict__["_digest"] = (pos, parts, {})
+        kept[2][keys] = digest
+        return digest
 
     # keys of ``state()`` whose values it builds anew at every call, sharing nothing the folds change: a snapshot
     # encodes them after the folds resume (``snapshot_document``)

@@ -247,6 +247,9 @@ async def test_the_services_digests_are_encoded_while_the_folds_go_on_and_are_of
         return real(doc)
     real = runtime.digest_parts
     monkeypatch.setattr(runtime, "digest_parts", parts)
+    hashes = []
+    real_hash = runtime.state_digest
+    monkeypatch.setattr(runtime, "state_digest", lambda *a: hashes.append(True) or real_hash(*a))
     services = [Service(name, kind()) for name, kind in KINDS]
     fold_once(services)
     try:
@@ -261,9 +264,12 @@ async def test_the_services_digests_are_encoded_while_the_folds_go_on_and_are_of
             await eventually(lambda: services[0].projection.seq == len(envs), what="folds while the digests encode")
             release.set()
             got = await asyncio.wait_for(answer, 15)
+            now = await runtime.statuses(services)  # the projection moved: encoded again, then kept
+            assert len(hashes) == 10
+            assert await runtime.statuses(services) == now and len(hashes) == 10, "kept while nothing moved"
+            assert len(encoded) == 2 and {s["seq"] for s in now} == {len(envs)}
     finally:
         release.set()
-    assert len(encoded) == 1, "encoded once for the five services"
     at = await replayed_to(eventlog, 200, type(services[0].projection))
-    assert [g["seq"] for g in got] == [200] * 5
+    assert len(got) == 5 and [g["seq"] for g in got] == [200] * 5
     assert [g["digest"] for g in got] == [oracle_digest(at, s.state_keys) for s in services]

@@ -481,6 +481,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "if pid in self.tasks and self.running.get(pid, (None,))[0] is self:", "if pid in self.running:"),
     M("an-account-keepers-pid-believed", "an account's tasks from its own keeper", "services/inventory/launcher.py",
       'if _parent(said["pid"]) not in (self.pid, None):', "if False:"),
+    M("a-reaped-task-taken-for-another", "an account's tasks from its own keeper", "services/inventory/launcher.py",
+      'return None if state == b"X" else int(ppid)', "return int(ppid)"),
     M("no-cap-on-account-keepers", "an account's tasks from its own keeper", "services/inventory/launcher.py",
       "        if len(self.keepers) >= ACCOUNT_KEEPERS_MAX:", "        if False:"),
     M("a-busy-account-keeper-ended", "an account's tasks from its own keeper", "services/inventory/launcher.py",

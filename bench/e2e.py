@@ -384,7 +384,13 @@ async def gpuorch_run(row: Row, workload: str, jobs: int, root: Path, run_id: st
         if e.get("subject", "").partition("/")[2] in ids:
             t = e["type"].removeprefix("io.gpuorch.").rsplit(".v", 1)[0]
             types[t] = types.get(t, 0) + 1
-    out = {"jobs": len(views), "states": states, "answers": {str(k): v for k, v in answers.items()},
+    unsucceeded: dict[str, int] = {}  # why, for each job that did not succeed (a `true` always should)
+    for v in views:
+        if v["state"] != "succeeded":
+            why = f"{v['state']}: {v.get('reason') or '-'}"
+            unsucceeded[why] = unsucceeded.get(why, 0) + 1
+    out = {"jobs": len(views), "states": states, "not_succeeded": unsucceeded,
+           "answers": {str(k): v for k, v in answers.items()},
            "submit_s": t_sub - t0, "submitted_per_s": jobs / (t_sub - t0),
            "finished_per_s": len(views) / (max(ended) - t0) if ended else float("nan"),
            "finished_per_s_polled": len(views) / (t_poll - t0), "polls": polls,
@@ -751,6 +757,12 @@ def show(out: dict) -> None:
             print(f"| {name} | {row['describe']} | {wl} | {m['submitted_per_s']:.0f} | {m['finished_per_s']:.1f} | "
                   f"{m['placed_p50_s']:.2f} / {m['placed_p99_s']:.2f} | {m['start_p50_s']:.2f} / "
                   f"{m['start_p99_s']:.2f} |")
+    print()
+    failed = [(name, wl, i, why, n) for name, row in out["rows"].items() for wl, runs in row.get("runs", {}).items()
+              for i, run in enumerate(runs) for why, n in run.get("not_succeeded", {}).items()]
+    for name, wl, i, why, n in failed:
+        print(f"NOT SUCCEEDED: {name} {wl} run {i + 1}: {n} job(s) {why}")
+    print("every gpuorch job succeeded" if not failed else f"{sum(f[4] for f in failed)} gpuorch job(s) did not succeed")
     print()
     print("Stages, median over jobs (p50 / p99 ms), median of the runs:")
     for name, row in out["rows"].items():

@@ -123,18 +123,21 @@ class JobRecord:
         job three times: 45 ms of the 58 the read held the folds for, at 10,000 pending jobs). Kept for more than one
         ratios: GET /v1/queues and a scrape of /metrics ask it in GPUs and in dominant shares, and with one kept
         each asking made it anew for every job (/v1/queues at 20,000 queued jobs: 80 ms, 30 of them a cycle's)."""
-        cached = self.__dict__.get("_share")  # [spec, last ratios asked, its share, share per ratios]
-        if cached is None or cached[0] is not self.spec:
-            cached = self.__dict__["_share"] = [self.spec, None, 0.0, {}]
-        elif cached[1] is ratios:  # the same as last time (a pass over the jobs asks them all alike): no hashing
-            return cached[2]
-        shares = cached[3]
+        # (spec, the ratios last asked, its share, the share per ratios), replaced whole: threads that read the
+        # projection together (a cycle's, a scrape's) may ask at once, and must never pair one's ratios with another's
+        cached = self.__dict__.get("_share")
+        if cached is not None and cached[0] is self.spec:
+            if cached[1] is ratios:  # as last time (a pass over the jobs asks them all alike): no hashing
+                return cached[2]
+            shares = cached[3]
+        else:
+            shares = {}
         value = shares.get(ratios)
         if value is None:
             if len(shares) >= SHARES_KEPT:  # the cluster's shape changed many times: start again
                 shares.clear()
             value = shares[ratios] = job_share(self.spec, ratios)
-        cached[1], cached[2] = ratios, value
+        self.__dict__["_share"] = (self.spec, ratios, value, shares)
         return value
 
     def to_json(self) -> dict[str, Any]:

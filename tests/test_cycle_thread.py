@@ -46,7 +46,10 @@ async def test_the_api_answers_while_a_cycle_reads_and_no_event_is_folded_under_
             seq = await eventlog.append(Envelope(ev.NodeRegistered(node_id="n2", node=node("n2").gpus(4).build())))
             r = await asyncio.wait_for(client.get("/v1/jobs"), 10)  # the loop is free: it answers meanwhile
             assert r.status_code == 200
-            # a read that comes while a fold waits goes after the fold (Fold.read_gate), so it sees n2
+            # a read that comes while a fold waits goes after the fold (Fold.read_gate), so it sees n2; the append's
+            # ack may come before the consumer is handed the event: wait until its fold waits
+            fold = services["scheduler"].fold
+            await until(lambda: _true(fold.folds_waiting > 0), 10, "the fold of n2 to wait for the cycle's read")
             nodes = asyncio.create_task(client.get("/v1/nodes"))
             with contextlib.suppress(AssertionError):  # give a fold the time to happen, then look
                 await until(lambda: _true(proj.seq >= seq), 1.0)

@@ -265,19 +265,22 @@ async def test_a_timer_that_lets_a_cancellation_pass_is_cancelled_again_and_ends
     assert len(cancels) == 2  # cancelled again, and it ended: before, it ran on and stop gave up on it after 5 s
 
 
-async def test_the_services_digests_are_made_off_the_event_loop():
-    """/v1/services digests each service's whole state (0.6 s for 20,000 jobs): on the loop it held every request
-    that long; it is made in a thread (while the folds are held), and the loop keeps turning meanwhile."""
+def queued(svc: Service, jobs: int) -> Service:
+    """``svc`` with ``jobs`` one-GPU jobs queued in its projection, at sequence 2 x ``jobs``."""
+    spec = JobSpec(name="x", command=["true"], resources={"gpus": 1})
+    for i in range(jobs):
+        svc.projection.apply(Envelope(ev.JobSubmitted(job_id=f"j-{i:05d}", spec=spec), seq=2 * i + 1))
+        svc.projection.apply(Envelope(ev.JobQueued(job_id=f"j-{i:05d}"), seq=2 * i + 2))
+    return svc
+
+
+async def turns_while_answering(svc: Service, path: str) -> tuple[object, int]:
+    """(the answer to ``GET path`` of ``svc``'s ops routes, how many times the event loop turned meanwhile)."""
     import httpx
     from fastapi import FastAPI
 
     from shared.runtime import ops_router
 
-    svc = scheduler()
-    spec = JobSpec(name="x", command=["true"], resources={"gpus": 1})
-    for i in range(5000):
-        svc.projection.apply(Envelope(ev.JobSubmitted(job_id=f"j-{i:05d}", spec=spec), seq=2 * i + 1))
-        svc.projection.apply(Envelope(ev.JobQueued(job_id=f"j-{i:05d}"), seq=2 * i + 2))
     app = FastAPI()
     app.include_router(ops_router([svc]))
     turns = 0
@@ -292,10 +295,17 @@ async def test_the_services_digests_are_made_off_the_event_loop():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gpuorch") as client:
             await asyncio.sleep(0)
             before = turns
-            r = await client.get("/v1/services")
-            during = turns - before
+            r = await client.get(path)
+            return r, turns - before
     finally:
         ticker.cancel()
+
+
+async def test_the_services_digests_are_made_off_the_event_loop():
+    """/v1/services digests each service's whole state (0.6 s for 20,000 jobs): on the loop it held every request
+    that long; it is made in a thread (while the folds are held), and the loop keeps turning meanwhile."""
+    svc = queued(scheduler(), 5000)
+    r, during = await turns_while_answering(svc, "/v1/services")
     assert r.status_code == 200 and r.json()[0]["seq"] == 10_000
     assert r.json()[0]["digest"] == svc.projection.digest(svc.state_keys)
     assert during > 10, f"the loop turned {during} times while the digest was made: it was made on the loop"
@@ -304,35 +314,10 @@ async def test_the_services_digests_are_made_off_the_event_loop():
 async def test_a_metrics_scrape_walks_the_jobs_off_the_event_loop():
     """A scrape's collectors walk every job (at 20,000 queued jobs 90-220 ms): made on the loop, each scrape held
     every request that long; it is made in a thread (while the folds are held), and the loop keeps turning."""
-    import httpx
-    from fastapi import FastAPI
-
     from services.scheduler.metrics import SchedulerCollector
-    from shared.runtime import ops_router
 
-    svc = scheduler()
+    svc = queued(scheduler(), 20_000)
     svc.metrics.own("scheduler-collector", lambda r: r.register(SchedulerCollector(lambda: svc.projection)))
-    spec = JobSpec(name="x", command=["true"], resources={"gpus": 1})
-    for i in range(20_000):
-        svc.projection.apply(Envelope(ev.JobSubmitted(job_id=f"j-{i:05d}", spec=spec), seq=2 * i + 1))
-        svc.projection.apply(Envelope(ev.JobQueued(job_id=f"j-{i:05d}"), seq=2 * i + 2))
-    app = FastAPI()
-    app.include_router(ops_router([svc]))
-    turns = 0
-
-    async def turning() -> None:
-        nonlocal turns
-        while True:
-            await asyncio.sleep(0)
-            turns += 1
-    ticker = asyncio.create_task(turning())
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gpuorch") as client:
-            await asyncio.sleep(0)
-            before = turns
-            r = await client.get("/metrics")
-            during = turns - before
-    finally:
-        ticker.cancel()
+    r, during = await turns_while_answering(svc, "/metrics")
     assert r.status_code == 200 and 'gpuorch_jobs_pending{priority="normal",queue="default"} 20000.0' in r.text
     assert during > 10, f"the loop turned {during} times while the collectors walked the jobs: it was on the loop"

@@ -145,6 +145,9 @@ RULES: dict[str, Rule] = {
     "a digest is of the position it names": Rule("GET /v1/services: each digest is the state's at the sequence "
                                                  "its status names, encoded once per projection, while folds go on",
                                                  ("tests/test_snapshot_thread.py",)),
+    "an array's elements by index": Rule("an array's elements are found through the projection's index, which "
+                                         "follows submissions, evictions and restores",
+                                         ("tests/test_array_index.py",)),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
                                               "the others ride on their folds, and each watch sees an event once",
                                               ("tests/test_fold_once.py",)),
@@ -557,6 +560,11 @@ MUTANTS: tuple[Mutant, ...] = (
     M("the-digests-never-kept", "a digest is of the position it names", "shared/runtime.py",
       "            digests = {s.name: proj.digest_kept(pos, s.state_keys) for s in mine}",
       "            digests = {s.name: None for s in mine}"),
+    M("an-evicted-element-still-indexed", "an array's elements by index", "shared/cluster.py",
+      "            if (gone := self.jobs.pop(old, None)) is not None and (a := gone.spec.array) is not None:",
+      "            if (gone := self.jobs.pop(old, None)) is not None and False:"),
+    M("the-array-index-not-rebuilt", "an array's elements by index", "shared/cluster.py",
+      "                self.arrays.setdefault(job.spec.array.id, {})[job_id] = None\n", "                pass\n"),
     M("every-service-consumes", "one delivery per reacting service", "shared/runtime.py",
       "        return self.reaction is None and any(", "        return False and any("),
     M("a-watch-on-every-delivery", "one delivery per reacting service", "shared/runtime.py",

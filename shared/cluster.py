@@ -178,6 +178,8 @@ class ClusterProjection(Projection):
         super().__init__()
         self.nodes: dict[str, NodeState] = {}
         self.jobs: dict[str, JobRecord] = {}
+        # array id -> the ids of its elements held in ``jobs``, in submission order: derived from ``jobs`` (not state)
+        self.arrays: dict[str, dict[str, None]] = {}
         self.queues: dict[str, QueueSpec] = {DEFAULT_QUEUE: QueueSpec()}
         self.finished: dict[str, None] = {}  # ended job ids, oldest first (an ordered set)
         self.accounting: dict[str, dict[int, float]] = {}  # queue -> hour -> GPU-seconds of ended holdings
@@ -291,6 +293,12 @@ class ClusterProjection(Projection):
         t = env.timestamp if e.submitted_at is None else e.submitted_at
         self.jobs[e.job_id] = JobRecord(e.job_id, e.spec, submitted_at=t, updated_at=env.timestamp, seq=env.seq,
                                         owner=e.owner or "", submitted_seq=env.seq)
+        if e.spec.array is not None:
+            self.arrays.setdefault(e.spec.array.id, {})[e.job_id] = None
+
+    def array_elements(self, array_id: str) -> list[JobRecord]:
+        """The elements of array ``array_id`` held here, in submission order, found without walking every job."""
+        return [self.jobs[j] for j in self.arrays.get(array_id, ())]
 
     def on_job_rejected(self, env: Envelope, e: ev.JobRejected) -> None:
         if job := self._job(env, e.job_id, PENDING):
@@ -303,7 +311,11 @@ class ClusterProjection(Projection):
         while len(self.finished) > KEEP_FINISHED:
             old = next(iter(self.finished))
             del self.finished[old]
-            self.jobs.pop(old, None)
+            if (gone := self.jobs.pop(old, None)) is not None and (a := gone.spec.array) is not None:
+                elements = self.arrays.get(a.id, {})
+                elements.pop(old, None)
+                if not elements:
+                    self.arrays.pop(a.id, None)
 
     def on_job_queued(self, env: Envelope, e: ev.JobQueued) -> None:
         if job := self._job(env, e.job_id, {"submitted", "preempted"}):
@@ -585,6 +597,10 @@ class ClusterProjection(Projection):
         self.now = state["now"]
         self.nodes = {k: NodeState.from_json(v) for k, v in state["nodes"].items()}
         self.jobs = {k: JobRecord.from_json(v) for k, v in state["jobs"].items()}
+        self.arrays = {}
+        for job_id, job in self.jobs.items():
+            if job.spec.array is not None:
+                self.arrays.setdefault(job.spec.array.id, {})[job_id] = None
         self.queues = {k: QueueSpec.model_validate(v) for k, v in state["queues"].items()}
         self.finished = dict.fromkeys(state["finished"])
         self.pool_shapes = {k: tuple(v) for k, v in state["pool_shapes"].items()}

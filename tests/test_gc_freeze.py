@@ -27,6 +27,10 @@ def cycle() -> weakref.ref:
 
 @pytest.fixture
 def freezer():
+    """The callback installed, and only the tests' own collections run: an automatic one of an older generation (the
+    thresholds count the allocations of every test before) froze survivors before the test looked (failed in CI)."""
+    enabled = gc.isenabled()
+    gc.disable()
     gc.unfreeze()
     gc.callbacks.append(aio.freeze_survivors)
     try:
@@ -35,6 +39,8 @@ def freezer():
         gc.callbacks.remove(aio.freeze_survivors)
         gc.unfreeze()
         gc.collect()
+        if enabled:
+            gc.enable()
 
 
 def test_survivors_of_an_older_collection_are_frozen_and_garbage_cycles_freed_first(freezer):

@@ -168,8 +168,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
 
     def elements(array_id: str, p: Principal) -> list[JobRecord]:
         """The elements of an array this caller may see, by index."""
-        out = [j for j in proj.jobs.values() if j.spec.array is not None and j.spec.array.id == array_id
-               and job_access(p, j, proj.queues) != "none"]
+        out = [j for j in proj.array_elements(array_id) if job_access(p, j, proj.queues) != "none"]
         return sorted(out, key=lambda j: j.spec.array.index if j.spec.array else 0)
 
     def resolved(deps: tuple[Dependency, ...], p: Principal) -> tuple[tuple[Dependency, ...], list[str], str | None]:

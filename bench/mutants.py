@@ -147,7 +147,7 @@ RULES: dict[str, Rule] = {
                                                  ("tests/test_snapshot_thread.py",)),
     "an array's elements by index": Rule("an array's elements are found through the projection's index, which "
                                          "follows submissions, evictions and restores",
-                                         ("tests/test_array_index.py",)),
+                                         ("tests/test_array_index.py", "tests/scheduler/test_arrays_dependencies.py")),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
                                               "the others ride on their folds, and each watch sees an event once",
                                               ("tests/test_fold_once.py",)),
@@ -564,7 +564,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "            if (gone := self.jobs.pop(old, None)) is not None and (a := gone.spec.array) is not None:",
       "            if (gone := self.jobs.pop(old, None)) is not None and False:"),
     M("the-array-index-not-rebuilt", "an array's elements by index", "shared/cluster.py",
-      "                self.arrays.setdefault(job.spec.array.id, {})[job_id] = None\n", "                pass\n"),
+      "            self.add_job(JobRecord.from_json(v))\n",
+      "            self.jobs[v[\"job_id\"]] = JobRecord.from_json(v)\n"),
     M("every-service-consumes", "one delivery per reacting service", "shared/runtime.py",
       "        return self.reaction is None and any(", "        return False and any("),
     M("a-watch-on-every-delivery", "one delivery per reacting service", "shared/runtime.py",

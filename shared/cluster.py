@@ -291,10 +291,14 @@ class ClusterProjection(Projection):
             self.invalid(env, f"job {e.job_id} submitted twice")
             return
         t = env.timestamp if e.submitted_at is None else e.submitted_at
-        self.jobs[e.job_id] = JobRecord(e.job_id, e.spec, submitted_at=t, updated_at=env.timestamp, seq=env.seq,
-                                        owner=e.owner or "", submitted_seq=env.seq)
-        if e.spec.array is not None:
-            self.arrays.setdefault(e.spec.array.id, {})[e.job_id] = None
+        self.add_job(JobRecord(e.job_id, e.spec, submitted_at=t, updated_at=env.timestamp, seq=env.seq,
+                               owner=e.owner or "", submitted_seq=env.seq))
+
+    def add_job(self, job: JobRecord) -> None:
+        """Hold ``job``, indexed under its array if it is an element of one (``array_elements``)."""
+        self.jobs[job.job_id] = job
+        if job.spec.array is not None:
+            self.arrays.setdefault(job.spec.array.id, {})[job.job_id] = None
 
     def array_elements(self, array_id: str) -> list[JobRecord]:
         """The elements of array ``array_id`` held here, in submission order, found without walking every job."""
@@ -596,11 +600,9 @@ class ClusterProjection(Projection):
     def load(self, state: dict[str, Any]) -> None:
         self.now = state["now"]
         self.nodes = {k: NodeState.from_json(v) for k, v in state["nodes"].items()}
-        self.jobs = {k: JobRecord.from_json(v) for k, v in state["jobs"].items()}
-        self.arrays = {}
-        for job_id, job in self.jobs.items():
-            if job.spec.array is not None:
-                self.arrays.setdefault(job.spec.array.id, {})[job_id] = None
+        self.jobs, self.arrays = {}, {}
+        for v in state["jobs"].values():
+            self.add_job(JobRecord.from_json(v))
         self.queues = {k: QueueSpec.model_validate(v) for k, v in state["queues"].items()}
         self.finished = dict.fromkeys(state["finished"])
         self.pool_shapes = {k: tuple(v) for k, v in state["pool_shapes"].items()}

@@ -219,13 +219,13 @@ class ClusterBuilder:
     def pending(self, spec: JobSpec, job_id: str | None = None, at: float | None = None,
                 owner: str = "") -> "ClusterBuilder":
         jid = self._id(spec, job_id)
-        self.proj.jobs[jid] = JobRecord(jid, spec, state="queued", submitted_at=self._n if at is None else at,
-                                        owner=owner)
+        self.proj.add_job(JobRecord(jid, spec, state="queued", submitted_at=self._n if at is None else at,
+                                    owner=owner))
         return self
 
     def ended(self, spec: JobSpec, job_id: str, state: str = "succeeded") -> "ClusterBuilder":
         """A job that ended (succeeded, failed, cancelled, rejected), holding nothing."""
-        self.proj.jobs[job_id] = JobRecord(job_id, spec, state=state)
+        self.proj.add_job(JobRecord(job_id, spec, state=state))
         return self
 
     def running(
@@ -254,10 +254,10 @@ class ClusterBuilder:
                 TaskPlacement(task=t, node_id=node_id, gpus=tuple(shares), cpu_milli=spec.resources.cpu_milli,
                               memory_mib=spec.resources.memory_mib)
             )
-        self.proj.jobs[jid] = JobRecord(
+        self.proj.add_job(JobRecord(
             jid, spec, state=state, submitted_at=started_at, placed_at=started_at, started_at=started_at,
             placements=placements, owner=owner,
-        )
+        ))
         return self
 
     def hold(
@@ -270,10 +270,10 @@ class ClusterBuilder:
                 ns.gpu_alloc[share.uuid] = ns.gpu_alloc.get(share.uuid, 0) + share.milli
             ns.cpu_alloc += p.cpu_milli
             ns.mem_alloc += p.memory_mib
-        self.proj.jobs[job_id] = JobRecord(
+        self.proj.add_job(JobRecord(
             job_id, spec, state="running", submitted_at=started_at, placed_at=started_at, started_at=started_at,
             placements=list(placements),
-        )
+        ))
         return self
 
     def queue(self, path: str, limit: float | None = None, guaranteed: float = 0.0) -> "ClusterBuilder":

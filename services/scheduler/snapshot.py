@@ -217,15 +217,11 @@ def pending_view(job: JobRecord) -> PendingJob:
 
 def dependency_targets(proj: ClusterProjection, pending: list[PendingJob]) -> dict[str, tuple[tuple[str, str], ...]]:
     """The (job id, state) of what pending jobs depend on: the job of that id, else the elements of the array of
-    that id (none: not known here). One pass over the jobs, and only when some pending job has dependencies."""
-    wanted = {d.job for j in pending for d in j.spec.dependencies}
-    if not wanted:
-        return {}
-    out: dict[str, list[tuple[str, str]]] = {}
-    for job in proj.jobs.values():
-        if job.job_id in wanted:
-            out[job.job_id] = [(job.job_id, job.state)]
-        a = job.spec.array
-        if a is not None and a.id in wanted and a.id not in proj.jobs:
-            out.setdefault(a.id, []).append((job.job_id, job.state))
-    return {k: tuple(v) for k, v in out.items()}
+    that id (none: not known here), through the projection's array index rather than a walk of every job."""
+    out: dict[str, tuple[tuple[str, str], ...]] = {}
+    for dep in {d.job for j in pending for d in j.spec.dependencies}:
+        if (job := proj.jobs.get(dep)) is not None:
+            out[dep] = ((dep, job.state),)
+        elif elements := proj.array_elements(dep):
+            out[dep] = tuple((e.job_id, e.state) for e in elements)
+    return out

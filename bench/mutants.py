@@ -148,6 +148,10 @@ RULES: dict[str, Rule] = {
     "an array's elements by index": Rule("an array's elements are found through the projection's index, which "
                                          "follows submissions, evictions and restores",
                                          ("tests/test_array_index.py", "tests/scheduler/test_arrays_dependencies.py")),
+    "a scrape's passes read what the slow reads did": Rule(
+        "/metrics counts jobs, scores fragmentation and sums queue loads in single passes that give what the cycle's "
+        "snapshot and a walk per ratios give; every job record keeps one attribute layout",
+        ("tests/test_scrape_pass.py", "tests/test_metrics.py")),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
                                               "the others ride on their folds, and each watch sees an event once",
                                               ("tests/test_fold_once.py",)),
@@ -566,6 +570,15 @@ MUTANTS: tuple[Mutant, ...] = (
     M("the-array-index-not-rebuilt", "an array's elements by index", "shared/cluster.py",
       "            self.add_job(JobRecord.from_json(v))\n",
       "            self.jobs[v[\"job_id\"]] = JobRecord.from_json(v)\n"),
+    M("the-submitted-in-the-target-workload", "a scrape's passes read what the slow reads did",
+      "services/scheduler/metrics.py", '            if state == "queued" or state in HOLDING:\n                count_shape',
+      '            if state in PENDING or state in HOLDING:\n                count_shape'),
+    M("a-shape-kept-past-its-spec", "a scrape's passes read what the slow reads did", "services/scheduler/metrics.py",
+      "    if kept is None or kept[0] is not job.spec:", "    if kept is None:"),
+    M("one-ratios-for-every-load", "a scrape's passes read what the slow reads did", "shared/cluster.py",
+      "        pairs = tuple(zip(ratios, outs))", "        pairs = tuple(zip(ratios[:1] * len(ratios), outs))"),
+    M("record-layouts-left-to-the-readers", "a scrape's passes read what the slow reads did", "shared/cluster.py",
+      "        self.__dict__.update(dict.fromkeys(KEPT_PER_SPEC))", "        pass"),
     M("every-service-consumes", "one delivery per reacting service", "shared/runtime.py",
       "        return self.reaction is None and any(", "        return False and any("),
     M("a-watch-on-every-delivery", "one delivery per reacting service", "shared/runtime.py",

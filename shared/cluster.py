@@ -80,6 +80,9 @@ class QueueLoad(NamedTuple):
     smallest: dict[str, float]
 
 
+KEPT_PER_SPEC = ("_spec_json", "_share", "_pending", "_shape_key")
+
+
 @dataclass
 class JobRecord:
     job_id: str
@@ -105,6 +108,12 @@ class JobRecord:
     grace_s: int = 0
     owner: str = ""  # the user who submitted it ("" before users existed)
     submitted_seq: int = 0  # stream sequence of its job.submitted: its place in GET /v1/jobs (newest first)
+
+    def __post_init__(self) -> None:
+        # what is kept per spec (below, and the scheduler's views of it), made empty here and in one order: set
+        # first where each reader happens to come first, the records' attribute dicts stop sharing one layout and
+        # every read slows (a scrape's pass over 20,000 jobs: 28 ms -> 39)
+        self.__dict__.update(dict.fromkeys(KEPT_PER_SPEC))
 
     @property
     def gpu_milli_total(self) -> int:
@@ -557,22 +566,29 @@ class ClusterProjection(Projection):
 
     def queue_loads(self, waited_before: float | None = None, ratios: Ratios | None = None) -> "QueueLoad":
         """Every leaf queue's load in one pass over the jobs (see ``QueueLoad``; a cycle's read made four)."""
-        out = QueueLoad({}, {}, {}, {})
-        alloc, pending, waited, smallest = out
-        ratios = self.share_ratios() if ratios is None else ratios
+        return self.queue_loads_in(self.share_ratios() if ratios is None else ratios, waited_before=waited_before)[0]
+
+    def queue_loads_in(self, *ratios: Ratios, waited_before: float | None = None) -> "tuple[QueueLoad, ...]":
+        """``queue_loads`` in each of ``ratios`` (e.g. in GPUs and in dominant shares), still one pass over the jobs:
+        GET /v1/queues and a scrape of /metrics need both, and each pass costs 10-15 ms at 20,000 jobs."""
+        outs = tuple(QueueLoad({}, {}, {}, {}) for _ in ratios)
+        pairs = tuple(zip(ratios, outs))
         for job in self.jobs.values():
             state = job.state
             if state in ACTIVE:
                 q = job.spec.queue
-                alloc[q] = alloc.get(q, 0.0) + job.share(ratios)
+                for r, out in pairs:
+                    out.alloc[q] = out.alloc.get(q, 0.0) + job.share(r)
             elif state in PENDING:
-                q, gpus = job.spec.queue, job.share(ratios)
-                pending[q] = pending.get(q, 0.0) + gpus
-                if waited_before is None or job.updated_at <= waited_before:
-                    waited[q] = waited.get(q, 0.0) + gpus
-                if state == "queued" and gpus < smallest.get(q, float("inf")):
-                    smallest[q] = gpus
-        return out
+                q, waited = job.spec.queue, waited_before is None or job.updated_at <= waited_before
+                for r, (_, pending, waits, smallest) in pairs:
+                    gpus = job.share(r)
+                    pending[q] = pending.get(q, 0.0) + gpus
+                    if waited:
+                        waits[q] = waits.get(q, 0.0) + gpus
+                    if state == "queued" and gpus < smallest.get(q, float("inf")):
+                        smallest[q] = gpus
+        return outs
 
     def division(self, now: float, half_life_s: float, load: "QueueLoad | None" = None) -> Division:
         """The fair-share division at ``now`` (``load``: this projection's, read already)."""

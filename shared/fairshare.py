@@ -72,6 +72,9 @@ class Ratios:
         return Ratios(cpu_milli / gpus, memory_mib / gpus) if gpus > 0 else Ratios()
 
 
+GPUS_ONLY = Ratios.of(0, 0, 0)  # a share in GPUs alone (CPU and memory not counted), one object: see Ratios.of
+
+
 def dominant_gpus(gpus: float, cpu_milli: float, memory_mib: float, r: Ratios) -> float:
     """A demand in GPU-equivalents: its largest share of any resource, times the cluster's GPUs."""
     return max(gpus, cpu_milli / r.cpu_milli if r.cpu_milli > 0 else 0.0,

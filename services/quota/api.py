@@ -12,7 +12,7 @@ from shared import events as ev
 from shared.api_errors import errors, path_id
 from shared.auth import Principal, caller
 from shared.cluster import ACTIVE, DEFAULT_QUEUE, PENDING, ClusterProjection
-from shared.fairshare import Ratios, children, divide, parent_of
+from shared.fairshare import GPUS_ONLY, children, divide, parent_of
 from shared.model import QUEUE_PATH, QueueSpec
 from shared.runtime import Service
 from shared.timespec import ACCEPTED, TimeSpecError, parse_window
@@ -69,9 +69,9 @@ def router(svc: Service, half_life_s: float, clock: Callable[[], float] = time.t
         overcommitted = top_guaranteed > proj.capacity_gpus() + 1e-9
         lo, hi = window(since, until, now)
         used = proj.gpu_seconds(lo, hi, now)
-        load = proj.queue_loads()  # one pass over the jobs in dominant shares, one in GPUs (at 20,000 jobs: 13 ms each)
+        load, in_gpus = proj.queue_loads_in(proj.share_ratios(), GPUS_ONLY)  # in dominant shares and in GPUs, one pass
         alloc, pending = load.alloc, load.pending
-        gpus_held, gpus_wanted = proj.queue_load(ratios=Ratios())
+        gpus_held, gpus_wanted = in_gpus.alloc, in_gpus.pending
         division = proj.division(now, half_life_s, load)
         # the static share: what each queue would get if every queue wanted everything
         fair = divide(proj.capacity_gpus(), proj.queues, {q: 1e12 for q in proj.queues}).entitlement

@@ -11,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared.cluster import ClusterProjection
-from shared.fairshare import Ratios, children
+from shared.fairshare import GPUS_ONLY, children
 
 
 class QuotaCollector(Collector):
@@ -23,8 +23,9 @@ class QuotaCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         proj = self.projection()
-        held, wanted = proj.queue_load(ratios=Ratios())  # in GPUs, per leaf
-        entitled = proj.division(self.clock(), self.half_life_s).entitlement
+        in_gpus, load = proj.queue_loads_in(GPUS_ONLY, proj.share_ratios())  # per leaf; one pass over the jobs
+        held, wanted = in_gpus.alloc, in_gpus.pending
+        entitled = proj.division(self.clock(), self.half_life_s, load).entitlement
         tree = children(proj.queues)
 
         def subtree(path: str, table: dict[str, float]) -> float:

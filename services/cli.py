@@ -314,7 +314,7 @@ def submit(
     file: Annotated[Path | None, typer.Option("-f", "--file", help="a job as YAML/JSON, an sbatch script, or "
                                                                    "Kubernetes manifests (Job, PyTorchJob, Volcano Job, "
                                                                    "KAI PodGroup): each job in it is submitted")] = None,
-    name: Annotated[str | None, typer.Option(help="job name")] = None,
+    name: Annotated[str | None, typer.Option("--name", "-J", "--job-name", help="job name (-J as sbatch)")] = None,
     queue: Annotated[str | None, typer.Option("-q", "--queue", help="leaf queue, e.g. research.nlp")] = None,
     priority: Annotated[str | None, typer.Option(help="critical|high|normal|low")] = None,
     tasks: Annotated[int | None, typer.Option("-n", "--tasks", help="gang size: all start together or none")] = None,
@@ -324,7 +324,8 @@ def submit(
     model: Annotated[list[str] | None, typer.Option(help="allowed GPU model (repeatable)")] = None,
     mig: Annotated[str | None, typer.Option(help="MIG profile, e.g. 1g.10gb")] = None,
     topology: Annotated[str | None, typer.Option(help="nvlink|node|rack|zone|any")] = None,
-    time_limit: Annotated[str | None, typer.Option(help="as Slurm's --time: minutes, MM:SS, HH:MM:SS, "
+    time_limit: Annotated[str | None, typer.Option("--time-limit", "-t", "--time", help="as Slurm's --time (-t): "
+                                                         "minutes, MM:SS, HH:MM:SS, "
                                                          "D-HH[:MM[:SS]], UNLIMITED; or 90s, 30m, 2h, 1h30m")] = None,
     max_retries: Annotated[int | None, typer.Option(help="times to requeue it after its node is lost (0)")] = None,
     env: Annotated[list[str] | None, typer.Option("-e", "--env", help="K=V (repeatable)")] = None,

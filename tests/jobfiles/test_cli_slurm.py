@@ -1,5 +1,6 @@
 """Slurm habits on the command line, against the in-process stack: show (scontrol show job), jobs -s (squeue
---states) with EXIT, cancel by filter (scancel --name/--partition/--state), --time-limit as Slurm's --time."""
+--states) with EXIT, cancel by filter (scancel --name/--partition/--state), --time-limit as Slurm's --time (-t, and
+-J for the name, as sbatch takes them)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ async def test_jobs_s_takes_slurm_codes_and_show_tells_exit_codes_reasons_and_th
         bad = await submit("--name", "bad", "--", "sh", "-c", "exit 3")
         await wait_job(client, ok, "succeeded")
         await wait_job(client, bad, "failed")
-        hog = await submit("--name", "hog", "-g", "4", "--time-limit", "10", "--", "sleep", "60")
+        hog = await submit("-J", "hog", "-g", "4", "-t", "10", "--", "sleep", "60")  # sbatch's -J and -t
         hog_job = await wait_job(client, hog, "running")
         nxt = await submit("--name", "next", "-g", "4", "--", "true")
         await until(lambda: _has_reason(client, nxt), 20, "the next job to be given a reason")
@@ -71,7 +72,7 @@ async def test_jobs_s_takes_slurm_codes_and_show_tells_exit_codes_reasons_and_th
         assert lines["task 0"].strip().startswith("node a, 1 GPU(s)"), out
         assert lines["time limit"].strip() == "none" and lines["retries"].strip() == "0 of 0", out
         code, out = await gpuorch("show", hog)
-        assert "00:10:00" in out, "a bare --time-limit is minutes, as Slurm's --time"
+        assert "00:10:00" in out and "hog" in out, "a bare -t is minutes, as Slurm's --time; -J names the job"
         await client.delete(f"/v1/jobs/{hog}")
 
 

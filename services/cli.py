@@ -358,9 +358,12 @@ def submit(
     except JobFileError as e:
         fail(str(e).removeprefix("#SBATCH "))
     translated = [Translated({}, (), "flags")]
+    known_queues: tuple[str, ...] | None = None
     if file:
+        ctx = _jobfile_context(url, jobfile_map)
+        known_queues = ctx.queues
         try:
-            loaded = load_file(file, _jobfile_context(url, jobfile_map))
+            loaded = load_file(file, ctx)
         except JobFileError as e:
             fail(str(e))
         for note in loaded.notes:
@@ -381,6 +384,11 @@ def submit(
                            max_retries=max_retries, env=env)
         bodies.append({**body, **slurm})
         label = f"{t.origin}: " if len(translated) > 1 else ""
+        named = body.get("queue") if queue is None else None  # the file named it: a partition, an account, a label
+        if named is not None and known_queues is not None and named not in known_queues:
+            fail(f"{label}the file asks for queue {named!r}, which is not a queue here (queues: "
+                 f"{', '.join(sorted(known_queues)) or 'none'}): pass -q QUEUE, or map this site's partitions, "
+                 "accounts and labels to queues in GPUORCH_JOBFILE_MAP (--map)")
         for w in t.warnings:
             err.print(f"[yellow]warning:[/yellow] {label}{w}")
     # the jobs of one file go in one request, a batch: every one is accepted, or none is (jobs[i] says which not)

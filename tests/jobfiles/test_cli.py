@@ -111,6 +111,12 @@ async def test_dry_run_and_queue_commands_from_the_command_line(eventlog, monkey
                                   "research.team-b")
         assert code == 1 and "it would be refused (HTTP 422)" in out, out
         assert await eventlog.last_seq() == before, "a dry run appended to the log"
+        # its #SBATCH --partition=h100 names no queue here: refused before sending, saying how to name one
+        code, out = await gpuorch("submit", "-f", str(INPUTS / "megatron_multinode.sbatch"))
+        said = " ".join(out.split())
+        assert code == 1 and "queue 'h100', which is not a queue here" in said and "pass -q QUEUE" in said, out
+        assert "GPUORCH_JOBFILE_MAP" in said and "research.team-a.training" in said, out
+        assert await eventlog.last_seq() == before
 
         code, out = await gpuorch("submit", "-f", str(INPUTS / "array_sweep.sh"))
         said = " ".join(out.split())

@@ -152,6 +152,10 @@ RULES: dict[str, Rule] = {
         "/metrics counts jobs, scores fragmentation and sums queue loads in single passes that give what the cycle's "
         "snapshot and a walk per ratios give; every job record keeps one attribute layout",
         ("tests/test_scrape_pass.py", "tests/test_metrics.py")),
+    "one cancel for many, as for one": Rule(
+        "POST /v1/jobs/cancel cancels only what the caller may cancel, says why it skipped the rest, never shows a "
+        "job the caller cannot see, and appends in batches", ("tests/test_bulk_cancel.py",
+                                                              "tests/jobfiles/test_cli_slurm.py")),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
                                               "the others ride on their folds, and each watch sees an event once",
                                               ("tests/test_fold_once.py",)),
@@ -579,6 +583,13 @@ MUTANTS: tuple[Mutant, ...] = (
       "        pairs = tuple(zip(ratios, outs))", "        pairs = tuple(zip(ratios[:1] * len(ratios), outs))"),
     M("record-layouts-left-to-the-readers", "a scrape's passes read what the slow reads did", "shared/cluster.py",
       "        self.__dict__.update(dict.fromkeys(KEPT_PER_SPEC))", "        pass"),
+    M("a-bulk-cancel-of-jobs-only-seen", "one cancel for many, as for one", "services/scheduler/api.py",
+      '            elif job_access(p, j, proj.queues) != "cancel":', "            elif False:"),
+    M("a-bulk-cancel-finds-the-unseen", "one cancel for many, as for one", "services/scheduler/api.py",
+      '                visible = [j for j in found if job_access(p, j, proj.queues) != "none"]',
+      "                visible = list(found)"),
+    M("a-bulk-cancel-in-one-append", "one cancel for many, as for one", "services/scheduler/api.py",
+      "CANCEL_CHUNK = 1_000  # cancellations appended at once", "CANCEL_CHUNK = 1_000_000"),
     M("every-service-consumes", "one delivery per reacting service", "shared/runtime.py",
       "        return self.reaction is None and any(", "        return False and any("),
     M("a-watch-on-every-delivery", "one delivery per reacting service", "shared/runtime.py",

@@ -576,7 +576,7 @@ def jobs(
     queue: Annotated[str | None, typer.Option("-q", "--queue")] = None,
     state: StateOpt = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="include finished jobs")] = False,
-    limit: Annotated[int, typer.Option(min=1)] = 200,
+    limit: Annotated[int, typer.Option(min=1, help="at most this many, the newest first")] = 200,
     url: UrlOpt = DEFAULT_URL,
     as_json: JsonOpt = False,
 ) -> None:
@@ -602,6 +602,8 @@ def jobs(
         table.add_row(j["id"], j["name"], j["queue"], j["state"], f"{j['tasks']}x{int(g) if g == int(g) else g}", nodes,
                       age(j["submitted_at"], now), "-" if code is None else str(code), j["reason"] or "")
     console.print(table)
+    if len(rows) >= limit:  # there may be more: say so, or 200 of 20,000 waiting jobs read as all of them
+        err.print(f"[dim]the newest {limit} shown; --limit N shows more[/dim]")
 
 
 CANCELLABLE = ("submitted", "queued", "placed", "running", "preempting", "preempted")
@@ -621,26 +623,33 @@ def cancel(
     filters = name is not None or queue is not None or state is not None
     if job_ids and filters:
         fail("give job ids or filters (--name, --queue, --state), not both")
-    if job_ids:
-        done = [api("DELETE", url, f"/v1/jobs/{j}") for j in job_ids]
+    if job_ids and len(job_ids) == 1:
+        done = api("DELETE", url, f"/v1/jobs/{job_ids[0]}")
         if as_json:
-            print_json(done[0] if len(done) == 1 else done)
+            print_json(done)
         else:
-            console.print("\n".join(f"cancelled {j}" for j in job_ids))
+            console.print(f"cancelled {job_ids[0]}")
         return
-    if not filters:
+    if not job_ids and not filters:
         fail("give a job id, or filters (--name, --queue, --state) to cancel every job that matches")
-    states = [st for st in (job_states(state) if state else CANCELLABLE) if st in CANCELLABLE]
-    if not states:
-        fail(f"--state {state}: only unfinished jobs can be cancelled (PD, CF, R, CG, PR)")
-    matching = list_jobs(url, queue, states, 100_000, name=name)
-    done = [res for j in matching if (res := _quietly("DELETE", url, f"/v1/jobs/{j['id']}")) is not None]
+    if job_ids:
+        body: dict[str, Any] = {"ids": job_ids}
+    else:
+        states = [st for st in (job_states(state) if state else CANCELLABLE) if st in CANCELLABLE]
+        if not states:
+            fail(f"--state {state}: only unfinished jobs can be cancelled (PD, CF, R, CG, PR)")
+        body = {k: v for k, v in (("name", name), ("queue", queue), ("states", states)) if v is not None}
+    # one request for them all: the server appends the cancellations in batches (one DELETE per job took 10 minutes
+    # for 20,000)
+    done = api("POST", url, "/v1/jobs/cancel", json=body)
     if as_json:
         print_json(done)
         return
-    skipped = len(matching) - len(done)
-    console.print(f"cancelled {len(done)} job(s)" + (f"; {skipped} could not be (not yours, or ended meanwhile)"
-                                                      if skipped else ""))
+    skipped = done["skipped"]
+    console.print(f"cancelled {len(done['cancelled'])} job(s)" + (
+        f"; {len(skipped)} could not be (not yours, ended, or unknown)" if skipped else ""))
+    for s in skipped[:20] if job_ids else ():
+        err.print(f"[yellow]not cancelled:[/yellow] {s['id']}: {s['why']}")
 
 
 def _at(ts: float | None, now: float) -> str:

@@ -113,6 +113,23 @@ class JobRequest(JobSpec):
                                                              "job of the same name and owner is placed or running")
 
 
+CANCELLABLE = ACTIVE | PENDING | {"preempted"}
+MAX_CANCEL_IDS = 100_000  # job or array ids in one POST /v1/jobs/cancel
+CANCEL_CHUNK = 1_000  # cancellations appended at once
+CANCEL_FOLDS_PER_S, CANCEL_WAIT_MAX_S = 2_000, 20.0  # the answer waits for the fold longer the more it cancelled
+
+
+class CancelRequest(Frozen):
+    """What POST /v1/jobs/cancel takes (scancel): job or array ids, or filters that every job cancelled matches."""
+
+    ids: tuple[Annotated[str, Field(pattern=JOB_ID)], ...] | None = Field(
+        default=None, max_length=MAX_CANCEL_IDS, description="these jobs, and every element of these arrays")
+    name: Annotated[str, Field(max_length=256)] | None = None
+    queue: Annotated[str, Field(pattern=QUEUE_PATH)] | None = None
+    owner: Annotated[str, Field(max_length=256)] | None = None
+    states: tuple[JobState, ...] | None = Field(default=None, description="only jobs in one of these states")
+
+
 MAX_BATCH = 1_000  # job requests in one POST /v1/jobs body (a JSON list): checked one by one, appended at once
 IDEMPOTENCY_KEY = r"^[A-Za-z0-9._:+/=-]{1,255}$"  # a UUID, a ULID, base64, a client's own words without spaces
 KEY_HELP = ("the client's name for this submission: the same request sent again with the same key (a retry after "
@@ -496,6 +513,55 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         scheduler.wake.set()
         await svc.caught_up(seq)
         return {**view(proj.jobs.get(job_id, job)), "seq": seq}
+
+    @r.post("/v1/jobs/cancel", responses=errors())
+    async def cancel_many(req: CancelRequest, p: Caller) -> dict[str, Any]:
+        """Cancel many jobs at once, as scancel does: the jobs (and array elements) named in ``ids``, or every job
+        this caller may see that matches all the filters given (``name``, ``queue``, ``owner``, ``states``). Jobs
+        that have ended, and jobs the caller may see but not cancel, are skipped and said why; an id the caller
+        cannot see is ``unknown``. The cancellations are appended in batches: 20,000 jobs are one request, not
+        20,000."""
+        filters = (req.name, req.queue, req.owner, req.states)
+        if (req.ids is None) == all(f is None for f in filters):
+            raise HTTPException(422, "give ids, or filters (name, queue, owner, states), not both and not neither")
+        picked: dict[str, JobRecord] = {}
+        skipped: list[dict[str, str]] = []
+        if req.ids is not None:
+            for job_id in dict.fromkeys(req.ids):
+                job = proj.jobs.get(job_id)
+                found = [job] if job is not None else proj.array_elements(job_id)
+                visible = [j for j in found if job_access(p, j, proj.queues) != "none"]
+                if not visible:
+                    skipped.append({"id": job_id, "why": "unknown"})
+                for j in visible:
+                    picked.setdefault(j.job_id, j)
+        else:
+            states = set(req.states) if req.states else None
+            picked = {j.job_id: j for j in proj.jobs.values()
+                      if (req.name is None or j.spec.name == req.name) and (req.queue is None or j.spec.queue == req.queue)
+                      and (req.owner is None or j.owner == req.owner) and (states is None or j.state in states)
+                      and j.state in CANCELLABLE and job_access(p, j, proj.queues) != "none"}
+        left = []
+        for j in picked.values():
+            if j.state not in CANCELLABLE:
+                skipped.append({"id": j.job_id, "why": f"already {j.state}"})
+            elif job_access(p, j, proj.queues) != "cancel":
+                skipped.append({"id": j.job_id, "why": f"{p.user} may see it but not cancel it"})
+            else:
+                left.append(j)
+        assert svc.log is not None
+        seq = 0
+        for i in range(0, len(left), CANCEL_CHUNK):
+            seq = (await svc.log.append_many([
+                Envelope(ev.JobCancelled(job_id=j.job_id, reason=f"cancelled by {p.user}"), id=f"{j.job_id}-cancel-{j.seq}",
+                         source="/gpuorch/scheduler", actor=p.user) for j in left[i:i + CANCEL_CHUNK]]))[-1]
+        if seq:
+            scheduler.wake.set()
+            # folding them takes a while (20,000 cancellations: 3-4 s on 2 cores): the wait grows with their number
+            await svc.caught_up(seq, min(CANCEL_WAIT_MAX_S, svc.catch_up_timeout_s + len(left) / CANCEL_FOLDS_PER_S),
+                                advice="the cancellations are recorded and take effect as the scheduler catches up: "
+                                       "GET /v1/jobs shows them; sent again, nothing is cancelled twice")
+        return {"cancelled": [j.job_id for j in left], "skipped": skipped, "seq": seq or None}
 
     async def cancel_array(array_id: str, members: list[JobRecord], p: Principal) -> dict[str, Any]:
         if any(job_access(p, j, proj.queues) != "cancel" for j in members):

@@ -153,7 +153,7 @@ RULES: dict[str, Rule] = {
         "snapshot and a walk per ratios give; every job record keeps one attribute layout",
         ("tests/test_scrape_pass.py", "tests/test_metrics.py")),
     "one cancel for many, as for one": Rule(
-        "POST /v1/jobs/cancel cancels only what the caller may cancel, says why it skipped the rest, never shows a "
+        "POST /v1/jobs:cancel cancels only what the caller may cancel, says why it skipped the rest, never shows a "
         "job the caller cannot see, and appends in batches", ("tests/test_bulk_cancel.py",
                                                               "tests/jobfiles/test_cli_slurm.py")),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "

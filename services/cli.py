@@ -641,7 +641,7 @@ def cancel(
         body = {k: v for k, v in (("name", name), ("queue", queue), ("states", states)) if v is not None}
     # one request for them all: the server appends the cancellations in batches (one DELETE per job took 10 minutes
     # for 20,000)
-    done = api("POST", url, "/v1/jobs/cancel", json=body)
+    done = api("POST", url, "/v1/jobs:cancel", json=body)
     if as_json:
         print_json(done)
         return

@@ -60,6 +60,7 @@ SERVICES = ("inventory", "scheduler", "quota", "autoscaler", "health")
 
 # path prefix -> owning service, for the split gateway (longest prefix first)
 ROUTES: list[tuple[str, str]] = [
+    ("/v1/jobs:cancel", "scheduler"),
     ("/v1/jobs", "scheduler"),
     ("/v1/queues", "quota"),
     ("/v1/usage", "quota"),

@@ -114,13 +114,13 @@ class JobRequest(JobSpec):
 
 
 CANCELLABLE = ACTIVE | PENDING | {"preempted"}
-MAX_CANCEL_IDS = 100_000  # job or array ids in one POST /v1/jobs/cancel
+MAX_CANCEL_IDS = 100_000  # job or array ids in one POST /v1/jobs:cancel
 CANCEL_CHUNK = 1_000  # cancellations appended at once
 CANCEL_FOLDS_PER_S, CANCEL_WAIT_MAX_S = 2_000, 20.0  # the answer waits for the fold longer the more it cancelled
 
 
 class CancelRequest(Frozen):
-    """What POST /v1/jobs/cancel takes (scancel): job or array ids, or filters that every job cancelled matches."""
+    """What POST /v1/jobs:cancel takes (scancel): job or array ids, or filters that every job cancelled matches."""
 
     ids: tuple[Annotated[str, Field(pattern=JOB_ID)], ...] | None = Field(
         default=None, max_length=MAX_CANCEL_IDS, description="these jobs, and every element of these arrays")
@@ -514,7 +514,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         await svc.caught_up(seq)
         return {**view(proj.jobs.get(job_id, job)), "seq": seq}
 
-    @r.post("/v1/jobs/cancel", responses=errors())
+    @r.post("/v1/jobs:cancel", responses=errors())
     async def cancel_many(req: CancelRequest, p: Caller) -> dict[str, Any]:
         """Cancel many jobs at once, as scancel does: the jobs (and array elements) named in ``ids``, or every job
         this caller may see that matches all the filters given (``name``, ``queue``, ``owner``, ``states``). Jobs

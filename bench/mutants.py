@@ -154,8 +154,8 @@ RULES: dict[str, Rule] = {
         ("tests/test_scrape_pass.py", "tests/test_metrics.py")),
     "one cancel for many, as for one": Rule(
         "POST /v1/jobs:cancel cancels only what the caller may cancel, says why it skipped the rest, never shows a "
-        "job the caller cannot see, and appends in batches", ("tests/test_bulk_cancel.py",
-                                                              "tests/jobfiles/test_cli_slurm.py")),
+        "job the caller cannot see, and appends in batches; a cancellation folded after its job ended is late, "
+        "not invalid", ("tests/test_bulk_cancel.py", "tests/jobfiles/test_cli_slurm.py", "tests/test_verify.py")),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
                                               "the others ride on their folds, and each watch sees an event once",
                                               ("tests/test_fold_once.py",)),
@@ -590,6 +590,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "                visible = list(found)"),
     M("a-bulk-cancel-in-one-append", "one cancel for many, as for one", "services/scheduler/api.py",
       "CANCEL_CHUNK = 1_000  # cancellations appended at once", "CANCEL_CHUNK = 1_000_000"),
+    M("a-late-cancel-called-invalid", "one cancel for many, as for one", "shared/cluster.py",
+      'the cancellation came after", "late")', 'the cancellation came after")'),
     M("every-service-consumes", "one delivery per reacting service", "shared/runtime.py",
       "        return self.reaction is None and any(", "        return False and any("),
     M("a-watch-on-every-delivery", "one delivery per reacting service", "shared/runtime.py",

@@ -1197,7 +1197,8 @@ def events_replay(
 def events_verify(nats: NatsOpt = None, data_dir: DataDirOpt = None, as_json: JsonOpt = False) -> None:
     """Re-fold the whole log through every projection; print digests and what each refused. Exit 1 on an invalid
     transition only: skipped events (unknown type, malformed), fenced decisions (a stale leader's, refused by the
-    term rule) and refused reports (a task report from another node) are what the log is built to absorb."""
+    term rule), refused reports (a task report from another node) and late cancellations (of a job that had ended
+    meanwhile) are what the log is built to absorb."""
 
     async def run() -> list[dict[str, Any]]:
         async with open_log(nats, data_dir) as evlog:
@@ -1223,7 +1224,7 @@ def events_verify(nats: NatsOpt = None, data_dir: DataDirOpt = None, as_json: Js
     raise typer.Exit(1 if bad else 0)
 
 
-EXPECTED = ("skipped", "fenced", "refused")  # rejections the log is built to absorb (see `events verify`)
+EXPECTED = ("skipped", "fenced", "refused", "late")  # rejections the log is built to absorb (see `events verify`)
 
 
 async def verify_log(evlog: EventLog) -> list[dict[str, Any]]:
@@ -1242,14 +1243,15 @@ async def verify_log(evlog: EventLog) -> list[dict[str, Any]]:
             p.apply(rec)
     out = []
     for p in projections:
-        details: dict[str, list[str]] = {"invalid": [], "fenced": [], "refused": [], "skipped": skipped[:50]}
+        details: dict[str, list[str]] = {"invalid": [], "fenced": [], "refused": [], "late": [], "skipped": skipped[:50]}
         for line, kind in zip(p.invalid_transitions, p.invalid_kinds):
             if len(details[kind]) < 50:
                 details[kind].append(line)
         out.append({
             "service": p.name, "seq": p.seq, "applied": p.applied, "digest": p.digest(),
             "invalid_transitions": p.kinds.get("invalid", 0), "fenced": p.kinds.get("fenced", 0),
-            "refused": p.kinds.get("refused", 0), "skipped": len(skipped), "details": details,
+            "refused": p.kinds.get("refused", 0), "late": p.kinds.get("late", 0), "skipped": len(skipped),
+            "details": details,
         })
     return out
 

@@ -512,6 +512,13 @@ class ClusterProjection(Projection):
             job.exit_code, job.reason = e.code, e.reason
 
     def on_job_cancelled(self, env: Envelope, e: ev.JobCancelled) -> None:
+        ended = self.jobs.get(e.job_id)
+        if ended is not None and ended.state in TERMINAL:
+            # it ended between the caller's look and this fold (a task exited, another cancel came first): a race
+            # every cancel can lose, not a conflict in the log; `events verify` counts it as expected
+            ended.seq = env.seq
+            self.invalid(env, f"job {e.job_id} had already {ended.state}: the cancellation came after", "late")
+            return
         if job := self._end(env, e.job_id, "cancelled", ACTIVE | PENDING | {"preempted"}):
             job.reason = e.reason
 

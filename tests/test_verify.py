@@ -76,3 +76,23 @@ def test_verify_fails_on_a_real_invalid_transition_among_the_expected_ones(nats_
     assert result.exit_code == 1, result.output
     assert "invalid: seq=12 io.gpuorch.job.queued.v1 job/j-never-submitted" in result.output
     assert "1 invalid transition(s) found (and 2 skipped, 1 fenced, 1 refused)" in result.output
+
+
+def test_a_cancellation_of_a_job_that_ended_meanwhile_is_late_not_invalid(nats_url: str):
+    """A cancel appended after the caller saw the job running, folded after its task exited and it succeeded (or
+    after another cancel): every cancel can lose that race, and `gpuorch cancel` over many jobs often does."""
+    asyncio.run(absorbable_log(nats_url))
+    asyncio.run(append(
+        nats_url,
+        Envelope(ev.JobTaskExited(job_id="j-1", task=0, node_id="n1", code=0), source=agent_source("n1")),
+        Envelope(ev.JobSucceeded(job_id="j-1"), source=SCHEDULER),
+        Envelope(ev.JobCancelled(job_id="j-1", reason="cancelled by alice"), source=SCHEDULER)))
+
+    result = verify(nats_url)
+
+    assert result.exit_code == 0, result.output
+    assert "log verified: 2 skipped, 1 fenced, 1 refused, 1 late, as expected" in result.output, result.output
+    assert "late: seq=14 io.gpuorch.job.cancelled.v1 job/j-1: job j-1 had already succeeded" in result.output
+    asyncio.run(append(nats_url, Envelope(ev.JobCancelled(job_id="j-never-submitted", reason="x"), source=SCHEDULER)))
+    result = verify(nats_url)
+    assert result.exit_code == 1 and "invalid: seq=15 io.gpuorch.job.cancelled.v1 job/j-never-submitted" in result.output

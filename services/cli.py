@@ -543,10 +543,9 @@ def job_states(text: str) -> list[str]:
 JOBS_PAGE = 1000  # jobs asked for at once: the API's largest page
 
 
-def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int,
-              name: str | None = None) -> list[dict[str, Any]]:
+def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int) -> list[dict[str, Any]]:
     """Up to ``limit`` of the jobs the caller may see, newest first: page after page, following X-Next-Cursor."""
-    params: dict[str, Any] = {k: v for k, v in (("queue", queue), ("name", name)) if v is not None}
+    params: dict[str, Any] = {"queue": queue} if queue is not None else {}
     if states is not None:
         params["state"] = states
     rows: list[dict[str, Any]] = []
@@ -587,7 +586,8 @@ def jobs(
 
     unfinished = [st for st in JOB_STATES if st not in FINISHED]
     states = job_states(state) if state else (None if all_ else unfinished)
-    rows = list_jobs(url, queue, states, limit)
+    rows = list_jobs(url, queue, states, limit + 1)  # one more than shown: whether there are more
+    more, rows = len(rows) > limit, rows[:limit]
     if as_json:
         print_json(rows)
         return
@@ -602,7 +602,7 @@ def jobs(
         table.add_row(j["id"], j["name"], j["queue"], j["state"], f"{j['tasks']}x{int(g) if g == int(g) else g}", nodes,
                       age(j["submitted_at"], now), "-" if code is None else str(code), j["reason"] or "")
     console.print(table)
-    if len(rows) >= limit:  # there may be more: say so, or 200 of 20,000 waiting jobs read as all of them
+    if more:  # say so, or 200 of 20,000 waiting jobs read as all of them
         err.print(f"[dim]the newest {limit} shown; --limit N shows more[/dim]")
 
 
@@ -648,8 +648,10 @@ def cancel(
     skipped = done["skipped"]
     console.print(f"cancelled {len(done['cancelled'])} job(s)" + (
         f"; {len(skipped)} could not be (not yours, ended, or unknown)" if skipped else ""))
-    for s in skipped[:20] if job_ids else ():
-        err.print(f"[yellow]not cancelled:[/yellow] {s['id']}: {s['why']}")
+    if job_ids and skipped:  # as for one id (an unknown, ended or forbidden one fails): a script learns it
+        for s in skipped[:20]:
+            err.print(f"[yellow]not cancelled:[/yellow] {s['id']}: {s['why']}")
+        raise typer.Exit(1)
 
 
 def _at(ts: float | None, now: float) -> str:

@@ -513,11 +513,15 @@ class ClusterProjection(Projection):
 
     def on_job_cancelled(self, env: Envelope, e: ev.JobCancelled) -> None:
         ended = self.jobs.get(e.job_id)
-        if ended is not None and ended.state in TERMINAL:
-            # it ended between the caller's look and this fold (a task exited, another cancel came first): a race
-            # every cancel can lose, not a conflict in the log; `events verify` counts it as expected
-            ended.seq = env.seq
-            self.invalid(env, f"job {e.job_id} had already {ended.state}: the cancellation came after", "late")
+        if ended is None or ended.state in TERMINAL:
+            # it ended between the caller's look and this fold (a task exited, another cancel came first), and may
+            # have been dropped from memory since (only the last KEEP_FINISHED ended jobs are held; a bulk cancel's
+            # own cancellations drop the oldest): a race every cancel can lose, not a conflict in the log. Only the
+            # scheduler appends cancellations, each for a job it held; `events verify` counts these as expected
+            if ended is not None:
+                ended.seq = env.seq
+            why = f"had already {ended.state}" if ended is not None else "is not held (ended and dropped, or unknown)"
+            self.invalid(env, f"job {e.job_id} {why}: the cancellation came after", "late")
             return
         if job := self._end(env, e.job_id, "cancelled", ACTIVE | PENDING | {"preempted"}):
             job.reason = e.reason

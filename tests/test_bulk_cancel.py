@@ -60,7 +60,7 @@ async def test_ids_arrays_and_filters_cancel_only_what_the_caller_may_cancel(eve
         assert (await states(client, [hers[2]]))[hers[2]] != "cancelled", "her eval matched no filter"
 
         for body in ({}, {"ids": [hers[2]], "name": "eval"}, {"states": ["cancelled", "bogus"]}, {"ids": ["../x"]},
-                     {"name": "eval", "extra": 1}):
+                     {"name": "eval", "extra": 1}, {"states": []}, {"ids": []}):  # an empty filter is not "any"
             resp = await alice.post("/v1/jobs:cancel", json=body)
             assert resp.status_code == 422, (body, resp.text)
         assert (await carol.post("/v1/jobs:cancel", json={"ids": [hers[2]]})).json()["skipped"] == [
@@ -105,3 +105,39 @@ def test_the_split_gateway_sends_every_service_route_to_its_service():
                 and owner(re.sub(r"\{[^}]+\}", "x", p)) is None]
     assert unrouted == []
     assert owner("/v1/jobs:cancel") == owner("/v1/jobs") == "scheduler"
+
+
+async def test_gpuorch_cancel_of_several_ids_fails_as_one_would_when_any_could_not_be_cancelled(eventlog, monkeypatch):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        await with_a_node(eventlog)
+        ids = await submitted(client, [job("a", 8), job("b", 8), job("c", 8)])
+        monkeypatch.setattr(cli, "api_response", through_response(client, asyncio.get_running_loop()))
+        code, out = await gpuorch("cancel", ids[0], ids[1])
+        assert code == 0 and "cancelled 2 job(s)" in out, out
+        code, out = await gpuorch("cancel", ids[2], ids[0], "j-nothing")
+        said = " ".join(out.split())
+        assert code == 1, "an ended or unknown id fails the command, as `gpuorch cancel ONE-ID` does"
+        assert "cancelled 1 job(s); 2 could not be" in said and f"{ids[0]}: already cancelled" in said, out
+        assert "j-nothing: unknown" in said, out
+
+
+async def test_a_job_that_ends_while_the_request_runs_is_answered_as_ended_not_cancelled(eventlog, monkeypatch):
+    """The request reads the jobs, then appends: a job that ends in between gets a late cancellation, and the answer
+    says so instead of listing it as cancelled."""
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, services):
+        await with_a_node(eventlog)
+        ids = await submitted(client, [job("ends", 8), job("stays", 8)])
+        real = eventlog.append_many
+
+        async def append_many(envs, *a, **kw):  # the first job fails just before the cancellations go in
+            envs = list(envs)
+            if any(isinstance(e.data, ev.JobCancelled) for e in envs):
+                await real([ev.Envelope(ev.JobFailed(job_id=ids[0], code=1, reason="its task died"),
+                                        source="/gpuorch/scheduler")])
+            return await real(envs, *a, **kw)
+        monkeypatch.setattr(eventlog, "append_many", append_many)
+        answer = (await client.post("/v1/jobs:cancel", json={"ids": ids})).json()
+        assert answer["cancelled"] == [ids[1]], answer
+        assert answer["skipped"] == [{"id": ids[0], "why": "failed meanwhile"}]
+        invalid = services["scheduler"].projection
+        assert invalid.kinds.get("late") == 1 and not invalid.kinds.get("invalid"), invalid.invalid_transitions

@@ -123,11 +123,13 @@ class CancelRequest(Frozen):
     """What POST /v1/jobs:cancel takes (scancel): job or array ids, or filters that every job cancelled matches."""
 
     ids: tuple[Annotated[str, Field(pattern=JOB_ID)], ...] | None = Field(
-        default=None, max_length=MAX_CANCEL_IDS, description="these jobs, and every element of these arrays")
+        default=None, min_length=1, max_length=MAX_CANCEL_IDS, description="these jobs, and every element of these "
+                                                                           "arrays")
     name: Annotated[str, Field(max_length=256)] | None = None
     queue: Annotated[str, Field(pattern=QUEUE_PATH)] | None = None
     owner: Annotated[str, Field(max_length=256)] | None = None
-    states: tuple[JobState, ...] | None = Field(default=None, description="only jobs in one of these states")
+    states: tuple[JobState, ...] | None = Field(default=None, min_length=1,  # empty is not "any": it would be all
+                                                description="only jobs in one of these states")
 
 
 MAX_BATCH = 1_000  # job requests in one POST /v1/jobs body (a JSON list): checked one by one, appended at once
@@ -536,32 +538,39 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                 for j in visible:
                     picked.setdefault(j.job_id, j)
         else:
-            states = set(req.states) if req.states else None
+            states = None if req.states is None else set(req.states)
             picked = {j.job_id: j for j in proj.jobs.values()
                       if (req.name is None or j.spec.name == req.name) and (req.queue is None or j.spec.queue == req.queue)
                       and (req.owner is None or j.owner == req.owner) and (states is None or j.state in states)
                       and j.state in CANCELLABLE and job_access(p, j, proj.queues) != "none"}
-        left = []
+        envs = []  # made now, before any await: each event's id names the job's sequence as read (a retry's match)
         for j in picked.values():
             if j.state not in CANCELLABLE:
                 skipped.append({"id": j.job_id, "why": f"already {j.state}"})
             elif job_access(p, j, proj.queues) != "cancel":
                 skipped.append({"id": j.job_id, "why": f"{p.user} may see it but not cancel it"})
             else:
-                left.append(j)
+                envs.append(Envelope(ev.JobCancelled(job_id=j.job_id, reason=f"cancelled by {p.user}"),
+                                     id=f"{j.job_id}-cancel-{j.seq}", source="/gpuorch/scheduler", actor=p.user))
         assert svc.log is not None
         seq = 0
-        for i in range(0, len(left), CANCEL_CHUNK):
-            seq = (await svc.log.append_many([
-                Envelope(ev.JobCancelled(job_id=j.job_id, reason=f"cancelled by {p.user}"), id=f"{j.job_id}-cancel-{j.seq}",
-                         source="/gpuorch/scheduler", actor=p.user) for j in left[i:i + CANCEL_CHUNK]]))[-1]
+        for i in range(0, len(envs), CANCEL_CHUNK):
+            seq = (await svc.log.append_many(envs[i:i + CANCEL_CHUNK]))[-1]
+        cancelled = []
         if seq:
             scheduler.wake.set()
             # folding them takes a while (20,000 cancellations: 3-4 s on 2 cores): the wait grows with their number
-            await svc.caught_up(seq, min(CANCEL_WAIT_MAX_S, svc.catch_up_timeout_s + len(left) / CANCEL_FOLDS_PER_S),
+            await svc.caught_up(seq, min(CANCEL_WAIT_MAX_S, svc.catch_up_timeout_s + len(envs) / CANCEL_FOLDS_PER_S),
                                 advice="the cancellations are recorded and take effect as the scheduler catches up: "
                                        "GET /v1/jobs shows them; sent again, nothing is cancelled twice")
-        return {"cancelled": [j.job_id for j in left], "skipped": skipped, "seq": seq or None}
+            for env in envs:  # a job that ended while the request ran was not cancelled: its cancellation came late
+                job_id = env.data.job_id  # type: ignore[attr-defined]
+                state = getattr(proj.jobs.get(job_id), "state", "cancelled")  # not held: ended and dropped since
+                if state == "cancelled":
+                    cancelled.append(job_id)
+                else:
+                    skipped.append({"id": job_id, "why": f"{state} meanwhile"})
+        return {"cancelled": cancelled, "skipped": skipped, "seq": seq or None}
 
     async def cancel_array(array_id: str, members: list[JobRecord], p: Principal) -> dict[str, Any]:
         if any(job_access(p, j, proj.queues) != "cancel" for j in members):

@@ -419,7 +419,12 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                                          actor=p.user, traceparent=trace))
             made.append((base, [job_id for job_id, _ in jobs]))
         assert svc.log is not None
-        seqs = await svc.log.append_many(envs) if envs else []
+        scheduler.traces.expect(envs)
+        try:
+            seqs = await svc.log.append_many(envs) if envs else []
+        except BaseException:
+            scheduler.traces.forget(envs)
+            raise
         scheduler.wake.set()
         what = f"{'array' if accepted[0][0].array else 'job'} {made[0][0]} is" if len(made) == 1 else \
             f"the batch's {len(made)} jobs ({made[0][0]} to {made[-1][0]}) are"

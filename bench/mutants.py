@@ -591,7 +591,7 @@ MUTANTS: tuple[Mutant, ...] = (
     M("a-bulk-cancel-in-one-append", "one cancel for many, as for one", "services/scheduler/api.py",
       "CANCEL_CHUNK = 1_000  # cancellations appended at once", "CANCEL_CHUNK = 1_000_000"),
     M("a-late-cancel-called-invalid", "one cancel for many, as for one", "shared/cluster.py",
-      'the cancellation came after", "late")', 'the cancellation came after")'),
+      '        self.invalid(env, why, "late")', '        self.invalid(env, why)'),
     M("a-late-cancel-answered-as-cancelled", "one cancel for many, as for one", "services/scheduler/api.py",
       '                if state == "cancelled":\n                    cancelled.append(job_id)',
       '                if True:\n                    cancelled.append(job_id)'),

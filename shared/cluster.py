@@ -21,6 +21,7 @@ from shared.projection import Projection
 ACTIVE = frozenset({"placed", "running", "preempting"})  # holding resources
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "rejected"})
 PENDING = frozenset({"submitted", "queued"})
+CANCELLABLE = ACTIVE | PENDING | {"preempted"}  # not ended: a cancellation ends it
 
 
 def agent_source(node_id: str) -> str:
@@ -335,8 +336,21 @@ class ClusterProjection(Projection):
             job.state, job.reason = "queued", ""
 
     def on_job_unschedulable(self, env: Envelope, e: ev.JobUnschedulable) -> None:
+        moved = self.jobs.get(e.job_id)
+        if moved is not None and moved.state != "queued":
+            # the cycle read it queued, and a placement, a cancellation or an end was folded before its reason:
+            # reasons are appended in batches without the job's sequence (no decision rests on them), so a reason
+            # can come after the job moved on; nothing in the log conflicts
+            self._came_late(env, moved, f"job {e.job_id} is {moved.state}: the reason came after")
+            return
         if job := self._job(env, e.job_id, {"queued"}):
             job.reason = e.reason
+
+    def _came_late(self, env: Envelope, job: JobRecord | None, why: str) -> None:
+        """An event that lost a race with the job's own progress (kind ``late``: `events verify` expects these)."""
+        if job is not None:
+            job.seq = env.seq
+        self.invalid(env, why, "late")
 
     def on_job_placed(self, env: Envelope, e: ev.JobPlaced) -> None:
         job = self._job(env, e.job_id, {"queued"})
@@ -518,12 +532,10 @@ class ClusterProjection(Projection):
             # have been dropped from memory since (only the last KEEP_FINISHED ended jobs are held; a bulk cancel's
             # own cancellations drop the oldest): a race every cancel can lose, not a conflict in the log. Only the
             # scheduler appends cancellations, each for a job it held; `events verify` counts these as expected
-            if ended is not None:
-                ended.seq = env.seq
             why = f"had already {ended.state}" if ended is not None else "is not held (ended and dropped, or unknown)"
-            self.invalid(env, f"job {e.job_id} {why}: the cancellation came after", "late")
+            self._came_late(env, ended, f"job {e.job_id} {why}: the cancellation came after")
             return
-        if job := self._end(env, e.job_id, "cancelled", ACTIVE | PENDING | {"preempted"}):
+        if job := self._end(env, e.job_id, "cancelled", CANCELLABLE):
             job.reason = e.reason
 
     def on_job_preempting(self, env: Envelope, e: ev.JobPreempting) -> None:

@@ -115,3 +115,21 @@ def test_a_late_cancellation_of_a_job_dropped_from_memory_is_late_too(nats_url: 
 
     assert result.exit_code == 0, result.output
     assert "late: seq=16 io.gpuorch.job.cancelled.v1 job/j-1: job j-1 is not held" in result.output, result.output
+
+
+def test_a_reason_folded_after_its_job_moved_on_is_late_not_invalid(nats_url: str):
+    """A cycle reads a job queued and gives it a reason; reasons go in batches without the job's sequence, so a
+    cancellation (a bulk one, most often) can be folded first."""
+    asyncio.run(absorbable_log(nats_url))
+    asyncio.run(append(
+        nats_url,
+        Envelope(ev.JobSubmitted(job_id="j-2", spec=job("two").gpus(1).build()), source=SCHEDULER),
+        Envelope(ev.JobQueued(job_id="j-2"), source=SCHEDULER),
+        Envelope(ev.JobCancelled(job_id="j-2", reason="cancelled by alice"), source=SCHEDULER),
+        Envelope(ev.JobUnschedulable(job_id="j-2", reason="needs 8 GPUs"), source=SCHEDULER, epoch=9)))
+
+    result = verify(nats_url)
+
+    assert result.exit_code == 0, result.output
+    assert "late: seq=15 io.gpuorch.job.unschedulable.v1 job/j-2: job j-2 is cancelled: the reason came after" \
+        in result.output, result.output

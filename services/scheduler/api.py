@@ -24,7 +24,7 @@ from shared.api_errors import errors, path_id
 from shared.api_events import record_json
 from shared.auth import Principal, RateLimiter, caller, job_access, submit_error
 from services.scheduler.gates import dependency_verdict
-from shared.cluster import ACTIVE, PENDING, JobRecord
+from shared.cluster import CANCELLABLE, JobRecord
 from shared.events import SUBJECT_PREFIX, Envelope, new_id, subject_token
 from shared.model import JOB_ID, QUEUE_PATH, ArrayElement, Dependency, EnvMap, Frozen, JobSpec, JsonNumber, NoNul
 from shared.redact import redact
@@ -113,7 +113,6 @@ class JobRequest(JobSpec):
                                                              "job of the same name and owner is placed or running")
 
 
-CANCELLABLE = ACTIVE | PENDING | {"preempted"}
 MAX_CANCEL_IDS = 100_000  # job or array ids in one POST /v1/jobs:cancel
 CANCEL_CHUNK = 1_000  # cancellations appended at once
 CANCEL_FOLDS_PER_S, CANCEL_WAIT_MAX_S = 2_000, 20.0  # the answer waits for the fold longer the more it cancelled
@@ -511,7 +510,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         if job_id not in proj.jobs and (members := elements(job_id, p)):
             return await cancel_array(job_id, members, p)
         job = known(job_id, p, "cancel")
-        if job.state not in ACTIVE | PENDING | {"preempted"}:
+        if job.state not in CANCELLABLE:
             raise HTTPException(409, f"job {job_id} is already {job.state}")
         assert svc.log is not None
         env = Envelope(ev.JobCancelled(job_id=job_id, reason=f"cancelled by {p.user}"), id=f"{job_id}-cancel-{job.seq}",
@@ -580,7 +579,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
     async def cancel_array(array_id: str, members: list[JobRecord], p: Principal) -> dict[str, Any]:
         if any(job_access(p, j, proj.queues) != "cancel" for j in members):
             raise HTTPException(403, f"{p.user} may see array {array_id} but not cancel it")
-        left = [j for j in members if j.state in ACTIVE | PENDING | {"preempted"}]
+        left = [j for j in members if j.state in CANCELLABLE]
         if not left:
             raise HTTPException(409, f"every job of array {array_id} has ended already")
         assert svc.log is not None

@@ -30,18 +30,24 @@ __all__ = [
 ]
 
 
+TypicalKey = tuple[int, int, int, tuple[str, ...]]
+
+
+def typical_key(s: TaskShape) -> TypicalKey | None:
+    """The (CPU, milli, GPUs, models) a task shape counts as in FGD's target workload; None for a MIG slice: slices
+    are not whole-GPU capacity, and FGD does not model them."""
+    return None if s.mig else (s.cpu, s.milli, s.gpus, s.models if s.gpus else ())
+
+
 def typical_from_snapshot(
     snapshot: Snapshot, shapes: Mapping[str, TaskShape] | None = None
 ) -> tuple[TypicalShape, ...]:
     """FGD's target workload from the task shapes now pending and running (each task counts once)."""
     shapes = shapes or {}
-    counts: dict[tuple[int, int, int, tuple[str, ...]], int] = {}
+    counts: dict[TypicalKey, int] = {}
     for job in (*snapshot.pending, *snapshot.running):
-        s = shapes.get(job.job_id) or TaskShape.of(job.spec)
-        if s.mig:
-            continue  # MIG slices are not whole-GPU capacity; FGD does not model them
-        key = (s.cpu, s.milli, s.gpus, s.models if s.gpus else ())
-        counts[key] = counts.get(key, 0) + job.spec.tasks
+        if (key := typical_key(shapes.get(job.job_id) or TaskShape.of(job.spec))) is not None:
+            counts[key] = counts.get(key, 0) + job.spec.tasks
     return typical_shapes(counts)
 
 

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.scheduler.core import TypicalKey, typical_key
 from services.scheduler.fragmentation import FragMemo, typical_shapes
 from services.scheduler.shapes import TaskShape
 from services.scheduler.snapshot import HOLDING, node_snap
@@ -41,17 +42,15 @@ def preemption_reason(text: str) -> str:
     return "other"
 
 
-ShapeCounts = dict[tuple[int, int, int, tuple[str, ...]], int]
+ShapeCounts = dict[TypicalKey, int]
 
 
-def shape_key(job: JobRecord) -> tuple[int, int, int, tuple[str, ...]] | None:
-    """The task shape FGD's target workload counts the job by (None: a MIG slice, which it does not model), kept on
-    the record until its spec changes: a scrape asks it of every job held."""
+def shape_key(job: JobRecord) -> TypicalKey | None:
+    """``typical_key`` of the job's task shape, kept on the record until its spec changes: a scrape asks it of every
+    job held."""
     kept = job.__dict__.get("_shape_key")
     if kept is None or kept[0] is not job.spec:
-        s = TaskShape.of(job.spec)
-        kept = job.__dict__["_shape_key"] = (job.spec, None if s.mig else (s.cpu, s.milli, s.gpus,
-                                                                         s.models if s.gpus else ()))
+        kept = job.__dict__["_shape_key"] = (job.spec, typical_key(TaskShape.of(job.spec)))
     return kept[1]
 
 

@@ -867,6 +867,11 @@ def queues_set(
     limit: Annotated[str | None, typer.Option("--limit", help="GPUs at most, or none")] = None,
     weight: Annotated[float | None, typer.Option(help="share of what is left over, against its siblings")] = None,
     priority: Annotated[int | None, typer.Option(help="reclaim order: higher keeps its GPUs longer")] = None,
+    groups: Annotated[str | None, typer.Option(help="comma-separated groups whose users may submit here; "
+                                                     "none: as the parent queue")] = None,
+    group_access: Annotated[str | None, typer.Option(help="what users of those groups may do with each other's "
+                                                           "jobs here: none, read or cancel")] = None,
+    max_priority: Annotated[str | None, typer.Option(help="the highest priority a user may submit at here")] = None,
     url: UrlOpt = DEFAULT_URL,
     as_json: JsonOpt = False,
 ) -> None:
@@ -887,7 +892,13 @@ def queues_set(
         spec["weight"] = weight
     if priority is not None:
         spec["priority"] = priority
-    res = api("PUT", url, f"/v1/queues/{name}", json=spec)
+    if groups is not None:
+        spec["groups"] = [] if groups.lower() in ("none", "-", "") else [g.strip() for g in groups.split(",") if g.strip()]
+    if group_access is not None:
+        spec["group_access"] = group_access
+    if max_priority is not None:
+        spec["max_priority"] = max_priority
+    res = api("PUT", url, f"/v1/queues/{name}", json=spec)  # the API validates every field and says why not
     if as_json:
         print_json(res)
     else:
@@ -897,8 +908,9 @@ def queues_set(
 
 def _queue_line(q: dict[str, Any]) -> str:
     limit = "none" if q.get("limit") is None else f"{q['limit']['gpus']:g}"
+    groups = f", groups {','.join(q['groups'])} ({q.get('group_access', 'none')})" if q.get("groups") else ""
     return (f"guaranteed {q['guaranteed']['gpus']:g} GPUs, limit {limit}, weight {q['weight']:g}, "
-            f"priority {q['priority']}")
+            f"priority {q['priority']}{groups}")
 
 
 @queues_app.command("delete")

@@ -95,6 +95,18 @@ async def test_dry_run_and_queue_commands_from_the_command_line(eventlog, monkey
         assert (team_b["guaranteed"], team_b["limit"], team_b["weight"]) == ({"gpus": 8.0}, {"gpus": 10.0}, 3.0)
         code, out = await gpuorch("queues", "set", "scratch", "--guarantee", "0")
         assert code == 0 and "created" in out, out
+        # who may submit there, from the CLI as from the API; the rest of the queue stays as it was
+        code, out = await gpuorch("queues", "set", "scratch", "--groups", "nlp, vision", "--group-access", "read",
+                                  "--max-priority", "normal", "--weight", "2")
+        assert code == 0 and "groups nlp,vision (read)" in out, out
+        scratch = next(q for q in (await client.get("/v1/queues")).json() if q["path"] == "scratch")
+        assert (scratch["groups"], scratch["group_access"], scratch["max_priority"], scratch["weight"]) == \
+            (["nlp", "vision"], "read", "normal", 2.0)
+        code, out = await gpuorch("queues", "set", "scratch", "--groups", "none")
+        scratch = next(q for q in (await client.get("/v1/queues")).json() if q["path"] == "scratch")
+        assert code == 0 and scratch["groups"] == [] and scratch["weight"] == 2.0, out
+        code, out = await gpuorch("queues", "set", "scratch", "--group-access", "write")
+        assert code == 1 and "HTTP 422" in out and "group_access" in out, out
         code, out = await gpuorch("queues", "delete", "scratch")
         assert code == 0 and "deleted" in out, out
         assert "scratch" not in {q["path"] for q in (await client.get("/v1/queues")).json()}

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -561,7 +562,8 @@ def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int)
 
 
 def exit_code(job: dict[str, Any]) -> int | None:
-    """A finished job's exit code, as Slurm's ExitCode: the failing code, else the highest its tasks exited with."""
+    """A finished job's exit code, as Slurm's ExitCode: the failing code, else the highest its tasks exited with
+    (negative: the signal that ended them)."""
     if job["state"] not in FINISHED:
         return None
     if job.get("exit_code") is not None:
@@ -600,7 +602,7 @@ def jobs(
         g = j["gpus_per_task"]
         code = exit_code(j)
         table.add_row(j["id"], j["name"], j["queue"], j["state"], f"{j['tasks']}x{int(g) if g == int(g) else g}", nodes,
-                      age(j["submitted_at"], now), "-" if code is None else str(code), j["reason"] or "")
+                      age(j["submitted_at"], now), "-" if code is None else _exit_text(code), j["reason"] or "")
     console.print(table)
     if more:  # say so, or 200 of 20,000 waiting jobs read as all of them
         err.print(f"[dim]the newest {limit} shown; --limit N shows more[/dim]")
@@ -672,6 +674,18 @@ def _seconds(s: int | None) -> str:
     return f"{s // 86400}-{hms}" if s >= 86400 else hms
 
 
+def _exit_text(code: int | None) -> str:
+    """A task's exit: its code, the signal that ended it (kept negative, as Python's returncode), or unknown."""
+    if code is None:
+        return "unknown"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return str(code)
+
+
 def job_lines(job: dict[str, Any], now: float) -> list[tuple[str, str]]:
     """What `gpuorch show` prints of a job, field by field (an archived job has no spec: only its summary)."""
     import shlex
@@ -700,9 +714,9 @@ def job_lines(job: dict[str, Any], now: float) -> list[tuple[str, str]]:
         lines.append((f"task {p['task']}", f"node {p['node']}, {len(p['gpus'])} GPU(s) {','.join(p['gpus'])}"))
     if job.get("nodes"):
         lines.append(("nodes", job["nodes"]))
-    lines.append(("exit code", "-" if code is None else str(code)))
+    lines.append(("exit code", "-" if code is None else _exit_text(code)))
     if job.get("task_exits"):
-        lines.append(("task exits", ", ".join(f"{t}:{c}" for t, c in job["task_exits"].items())))
+        lines.append(("task exits", ", ".join(f"{t}:{_exit_text(c)}" for t, c in job["task_exits"].items())))
     lines += [("retries", f"{job.get('retries', 0)} of {spec.get('max_retries', 0)}"),
               ("preemptions", str(job.get("preemptions", 0)))]
     if arr := spec.get("array"):

@@ -182,7 +182,8 @@ KEEP_FINISHED = 5000  # finished jobs kept in memory; older ones are read back f
 
 class ClusterProjection(Projection):
     name = "cluster"
-    SNAPSHOT_VERSION = 2  # bump when state() changes shape, or a fold computes something else (2: submitted_seq)
+    SNAPSHOT_VERSION = 3  # bump when state() changes shape, or a fold computes something else (2: submitted_seq,
+    # 3: a task's exit by a signal kept as minus the signal)
 
     def __init__(self) -> None:
         super().__init__()
@@ -508,7 +509,9 @@ class ClusterProjection(Projection):
         if job is not None and self._reported_from_its_node(env, e, job.last_placements) and self.of_this_attempt(job, e):
             if e.task in job.tasks_running:
                 job.tasks_running.remove(e.task)
-            job.tasks_exited[e.task] = e.code
+            # a task ended by a signal (a gang's peers stopped when one fails, an OOM kill) keeps it, negative, as
+            # Python's returncode does: None only where the agent knew neither
+            job.tasks_exited[e.task] = e.code if e.code is not None or e.signal is None else -e.signal
 
     def _end(self, env: Envelope, job_id: str, state: str, allowed: frozenset[str]) -> JobRecord | None:
         job = self._job(env, job_id, allowed)

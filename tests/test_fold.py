@@ -183,6 +183,19 @@ def test_a_task_exit_counts_from_the_node_of_its_last_placement_even_after_a_req
     assert Fold(restored)(reported(ev.JobTaskExited(job_id="a", task=0, node_id="n1", code=137)))
 
 
+def test_a_task_ended_by_a_signal_keeps_the_signal_as_a_negative_exit():
+    """A gang's peer stopped when another task fails reports no code, only SIGTERM: it reads -15, not null."""
+    f = with_queued_jobs("a")
+    f(on_n1("a"))
+    f(reported(ev.JobTaskStarted(job_id="a", task=0, node_id="n1")))
+    assert f(reported(ev.JobTaskExited(job_id="a", task=0, node_id="n1", signal=15)))
+    assert f.proj.jobs["a"].tasks_exited == {0: -15}
+    f2 = with_queued_jobs("b")
+    f2(on_n1("b"))
+    assert f2(reported(ev.JobTaskExited(job_id="b", task=0, node_id="n1", reason="lost")))
+    assert f2.proj.jobs["b"].tasks_exited == {0: None}  # neither known
+
+
 def test_an_unreadable_event_on_a_jobs_subject_still_moves_the_jobs_expected_sequence():
     """Else every later decision about the job (appended with the job's last sequence) would conflict, forever."""
     f = with_queued_jobs("j-1", "j-2")

@@ -136,6 +136,6 @@ def test_a_refused_snapshot_leaves_the_projection_as_it_was():
 
 def test_the_version_names_each_class_that_declares_one_and_the_events_the_code_reads():
     version = SchedulerProjection.snapshot_version()
-    assert {k: v for k, v in version.items() if k != "events"} == {"Projection": 1, "ClusterProjection": 2}
+    assert {k: v for k, v in version.items() if k != "events"} == {"Projection": 1, "ClusterProjection": 3}
     assert version["events"] == Projection.snapshot_version()["events"]
     assert from_json(SchedulerProjection().snapshot())["version"] == version

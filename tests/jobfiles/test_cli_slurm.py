@@ -131,3 +131,14 @@ def test_time_limit_reads_slurm_times_and_durations(text: str, seconds: int | No
 def test_a_time_limit_it_cannot_read_names_the_forms_it_takes():
     with pytest.raises(typer.Exit):
         cli.time_limit_s("ten minutes")
+
+
+def test_show_and_jobs_name_the_signal_that_ended_a_task():
+    """A gang's peer stopped when another task failed reads SIGTERM (the API's -15), never None."""
+    job = {"id": "j-1", "name": "x", "queue": "default", "priority": "normal", "state": "failed", "reason": "",
+           "exit_code": None, "task_exits": {"0": -15, "1": 127, "2": None, "3": -77}}
+    lines = dict(cli.job_lines(job, 0.0))
+    assert lines["task exits"] == "0:SIGTERM, 1:127, 2:unknown, 3:signal 77"
+    assert lines["exit code"] == "127"
+    killed = {**job, "task_exits": {"0": -9}}
+    assert dict(cli.job_lines(killed, 0.0))["exit code"] == "SIGKILL"

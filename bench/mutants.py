@@ -156,6 +156,9 @@ RULES: dict[str, Rule] = {
         "POST /v1/jobs:cancel cancels only what the caller may cancel, says why it skipped the rest, never shows a "
         "job the caller cannot see, and appends in batches; a cancellation folded after its job ended is late, "
         "not invalid", ("tests/test_bulk_cancel.py", "tests/jobfiles/test_cli_slurm.py", "tests/test_verify.py")),
+    "a task's end says how": Rule(
+        "a task a signal ended keeps the signal (minus it) in its job's task exits, and the CLI names it",
+        ("tests/test_fold.py", "tests/jobfiles/test_cli_slurm.py")),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
                                               "the others ride on their folds, and each watch sees an event once",
                                               ("tests/test_fold_once.py",)),
@@ -597,6 +600,11 @@ MUTANTS: tuple[Mutant, ...] = (
       '                if True:\n                    cancelled.append(job_id)'),
     M("empty-states-mean-any", "one cancel for many, as for one", "services/scheduler/api.py",
       "Field(default=None, min_length=1,  # empty is not", "Field(default=None,  # empty is not"),
+    M("a-signal-folded-as-null", "a task's end says how", "shared/cluster.py",
+      "            job.tasks_exited[e.task] = e.code if e.code is not None or e.signal is None else -e.signal",
+      "            job.tasks_exited[e.task] = e.code"),
+    M("a-signal-shown-as-a-number", "a task's end says how", "services/cli.py",
+      "            return signal.Signals(-code).name", "            return str(code)"),
     M("every-service-consumes", "one delivery per reacting service", "shared/runtime.py",
       "        return self.reaction is None and any(", "        return False and any("),
     M("a-watch-on-every-delivery", "one delivery per reacting service", "shared/runtime.py",

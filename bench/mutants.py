@@ -157,7 +157,8 @@ RULES: dict[str, Rule] = {
         "job the caller cannot see, and appends in batches; a cancellation folded after its job ended is late, "
         "not invalid", ("tests/test_bulk_cancel.py", "tests/jobfiles/test_cli_slurm.py", "tests/test_verify.py")),
     "a task's end says how": Rule(
-        "a task a signal ended keeps the signal (minus it) in its job's task exits, and the CLI names it",
+        "a task a signal ended keeps the signal (minus it) in its job's task exits, and the CLI names it, also as "
+        "the job's exit when no task failed with a code",
         ("tests/test_fold.py", "tests/jobfiles/test_cli_slurm.py")),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
                                               "the others ride on their folds, and each watch sees an event once",
@@ -605,6 +606,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "            job.tasks_exited[e.task] = e.code"),
     M("a-signal-shown-as-a-number", "a task's end says how", "services/cli.py",
       "            return signal.Signals(-code).name", "            return str(code)"),
+    M("a-peers-zero-for-a-killed-job", "a task's end says how", "services/cli.py",
+      "    if failing := [c for c in codes if c != 0]:", "    if failing := [c for c in codes if c > 0]:"),
     M("every-service-consumes", "one delivery per reacting service", "shared/runtime.py",
       "        return self.reaction is None and any(", "        return False and any("),
     M("a-watch-on-every-delivery", "one delivery per reacting service", "shared/runtime.py",

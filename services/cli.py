@@ -562,14 +562,16 @@ def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int)
 
 
 def exit_code(job: dict[str, Any]) -> int | None:
-    """A finished job's exit code, as Slurm's ExitCode: the failing code, else the highest its tasks exited with
-    (negative: the signal that ended them)."""
+    """A finished job's exit code, as Slurm's ExitCode: the failing code, else the highest its tasks exited with,
+    else the signal that ended the first task a signal ended (negative)."""
     if job["state"] not in FINISHED:
         return None
     if job.get("exit_code") is not None:
         return job["exit_code"]
     codes = [c for c in (job.get("task_exits") or {}).values() if c is not None]
-    return max(codes) if codes else (0 if job["state"] == "succeeded" else None)
+    if failing := [c for c in codes if c != 0]:  # a failed job's is never a peer's 0
+        return max(failing) if max(failing) > 0 else failing[0]
+    return 0 if codes or job["state"] == "succeeded" else None
 
 
 @app.command()

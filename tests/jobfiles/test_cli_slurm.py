@@ -142,3 +142,6 @@ def test_show_and_jobs_name_the_signal_that_ended_a_task():
     assert lines["exit code"] == "127"
     killed = {**job, "task_exits": {"0": -9}}
     assert dict(cli.job_lines(killed, 0.0))["exit code"] == "SIGKILL"
+    # a task killed after its peer had ended cleanly: the job's exit is the kill, not the peer's 0
+    assert dict(cli.job_lines({**job, "task_exits": {"0": 0, "1": -9}}, 0.0))["exit code"] == "SIGKILL"
+    assert dict(cli.job_lines({**job, "state": "succeeded", "task_exits": {"0": 0, "1": 0}}, 0.0))["exit code"] == "0"

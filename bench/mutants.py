@@ -160,6 +160,10 @@ RULES: dict[str, Rule] = {
         "a task a signal ended keeps the signal (minus it) in its job's task exits, and the CLI names it, also as "
         "the job's exit when no task failed with a code",
         ("tests/test_fold.py", "tests/jobfiles/test_cli_slurm.py")),
+    "an owed queue told why it still waits": Rule(
+        "a waiting job of a queue owed GPUs, for which reclaim may evict nothing, says so after the room it lacks; "
+        "no other job's reason changes", ("tests/scheduler/test_rules_evictions.py",
+                                          "tests/scheduler/test_core_properties.py")),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
                                               "the others ride on their folds, and each watch sees an event once",
                                               ("tests/test_fold_once.py",)),
@@ -608,6 +612,12 @@ MUTANTS: tuple[Mutant, ...] = (
       "            return signal.Signals(-code).name", "            return str(code)"),
     M("a-peers-zero-for-a-killed-job", "a task's end says how", "services/cli.py",
       "    if failing := [c for c in codes if c != 0]:", "    if failing := [c for c in codes if c > 0]:"),
+    M("owed-but-silent", "an owed queue told why it still waits", "services/scheduler/core.py",
+      "                    failed.add(memo)\n                    self._unreclaimable(job, req)",
+      "                    failed.add(memo)"),
+    M("owed-said-of-a-shape-not-searched", "an owed queue told why it still waits", "services/scheduler/core.py",
+      "                if memo in failed:\n                    self._unreclaimable(job, req)\n                    continue",
+      "                if memo in failed:\n                    continue"),
     M("every-service-consumes", "one delivery per reacting service", "shared/runtime.py",
       "        return self.reaction is None and any(", "        return False and any("),
     M("a-watch-on-every-delivery", "one delivery per reacting service", "shared/runtime.py",

@@ -433,12 +433,16 @@ class Cycle:
                 memo = (self.sid(job), job.spec.topology, job.spec.tasks, mode)
                 if need <= 1e-9 or tries >= self.policy.max_preemptors:
                     break
-                if size > need + 1e-9 or memo in failed or not self.ever_fits(job) or self.gated(job) is not None:
+                if size > need + 1e-9 or not self.ever_fits(job) or self.gated(job) is not None:
                     continue  # more than the queue is owed would lift it above its share: churn back
+                if memo in failed:
+                    self._unreclaimable(job, req)
+                    continue
                 tries += 1
                 victims = self._reclaim_victims(job, mode, pool, staying, search)
                 if victims is None:
                     failed.add(memo)
+                    self._unreclaimable(job, req)
                     continue
                 self._evict_for(req.queue, victims, staying)
                 self.hold(job.queue, size)
@@ -446,6 +450,14 @@ class Cycle:
                 names = ", ".join(v.job_id for v in victims)
                 self.unschedulable[job.job_id] = (f"waiting for {names} to leave: reclaimed for queue {req.queue} "
                                                   f"(grace {self.policy.reclaim_grace_s} s)")
+
+    def _unreclaimable(self, job: PendingJob, req: ReclaimRequest) -> None:
+        """Say why a job of a queue owed GPUs still waits: else its reason reads as if no guarantee were owed."""
+        why = self.unschedulable.get(job.job_id)
+        if why is not None:
+            self.unschedulable[job.job_id] = (
+                f"{why}; its queue {req.queue} is owed {req.gpus:g} GPUs, but no running job may be evicted for it "
+                "(each would take its own queue below its entitlement, or is protected)")
 
     def _reclaim_victims(self, job: PendingJob, mode: str, pool: Sequence[RunningJob], staying: dict[str, float],
                          search: VictimSearch) -> list[RunningJob] | None:

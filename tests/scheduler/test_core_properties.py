@@ -307,6 +307,9 @@ def contended(draw, kind: str = "mixed") -> Scenario:
 # --- what a scenario reached --------------------------------------------------------------------
 
 
+OWED = "; its queue "  # what a job of a queue owed GPUs adds when reclaim may evict nothing for it
+
+
 def reason_kind(reason: str) -> str:
     if "at its limit of" in reason or "above the limit of queue" in reason:
         return "limit"
@@ -360,6 +363,8 @@ def reached(s: Scenario) -> set[str]:
     if backfilled(s):
         labels.add("backfill placed")
     for reason in plan.unschedulable.values():
+        if OWED in reason:
+            labels.add("owed, no reclaim victim")
         labels.add({"limit": "waits for a queue limit", "held": "held back for the reservation",
                     "evicting": "waits for evictions", "never": "waits: can never fit",
                     "not now": "waits: no room now"}[reason_kind(reason)])
@@ -543,14 +548,21 @@ def test_a_job_left_waiting_has_no_placement_and_never_means_never(shares: Share
 def evictions_place_nothing(s: Scenario) -> None:
     quiet = run_cycle(s.snapshot, replace(s.policy, preempt=False), s.now)
     assert s.plan.placements == quiet.placements and s.plan.reservation == quiet.reservation
+    asked = {r.queue: r.gpus for r in s.reclaims}
+    queue_of = {p.job_id: p.spec.queue for p in s.snapshot.pending}
     for job_id, reason in s.plan.unschedulable.items():
         if reason_kind(reason) != "evicting":
-            assert reason == quiet.unschedulable[job_id]
+            base, owed, rest = reason.partition(OWED)
+            assert base == quiet.unschedulable[job_id]
+            if owed:  # only a job of a queue that asked for GPUs, naming its queue and what it is owed
+                q = queue_of[job_id]
+                assert q in asked and rest.startswith(f"{q} is owed {asked[q]:g} GPUs"), (job_id, reason, asked)
 
 
 def test_preemption_and_reclaim_only_evict_they_never_change_what_is_placed(shares: Shares) -> None:
     check(shares, evictions_place_nothing, "reclaim", "preempt")
-    shares.require({"reclaim": {"reclaim victim": 0.15}, "preempt": {"priority preemption": 0.25}})
+    shares.require({"reclaim": {"reclaim victim": 0.15, "owed, no reclaim victim": 0.1},
+                    "preempt": {"priority preemption": 0.25}})
 
 
 def one_node_first(s: Scenario) -> None:

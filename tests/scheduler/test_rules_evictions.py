@@ -240,6 +240,29 @@ def test_reclaim_makes_room_for_the_job_that_fits_what_is_owed_and_no_more() -> 
     assert "reclaimed" not in plan.unschedulable["big"]
 
 
+def test_a_job_reclaim_cannot_make_room_for_says_its_queue_is_owed_and_why_it_still_waits() -> None:
+    """One 8-GPU job of a queue entitled to 4 holds the node: evicting it would take that queue to 0, below its
+    entitlement, so the owed queue's job waits, and its reason says so rather than reading as if nothing were owed."""
+    c = cluster(node("n1").gpus(8))
+    c.running(job("hog").gpus(8).queue("a").build(), on=[("n1", list(range(8)))], job_id="hog", started_at=0)
+    c.pending(job("owed").gpus(4).queue("b").build(), "owed", at=1)
+    c.pending(job("owed-too").gpus(4).queue("b").build(), "owed-too", at=2)
+    c.pending(job("owed-three").gpus(4).queue("b").build(), "owed-three", at=3)
+
+    plan = run_cycle(c.snapshot(NOW, {"a": 4, "b": 4}), Policy(preempt=False), NOW, [ReclaimRequest("b", 4)])
+
+    assert plan.preemptions == ()
+    for j in ("owed", "owed-too", "owed-three"):  # the third is the second's shape and mode: not searched again
+        assert "its queue b is owed 4 GPUs, but no running job may be evicted for it" in plan.unschedulable[j], j
+        assert plan.unschedulable[j].startswith("needs 4 GPUs"), "the room it lacks still comes first"
+    # where reclaim does find victims, the job waits for them instead
+    c2 = borrowed_cluster()
+    c2.pending(job("small").gpus(2).queue("owner").build(), "small")
+    plan = run_cycle(c2.snapshot(NOW, {"owner": 2, "borrower": 0}), Policy(preempt=False), NOW,
+                     [ReclaimRequest("owner", 2)])
+    assert "is owed" not in plan.unschedulable["small"] and "reclaimed for queue owner" in plan.unschedulable["small"]
+
+
 # --- reclaim takes from the lowest-priority queues first -----------------------------------------------------------
 
 

@@ -262,7 +262,7 @@ MUTANTS: tuple[Mutant, ...] = (
       "if r.job_id not in self.evicted and not self.policy.protected(r, self.now)]",
       "if r.job_id not in self.evicted]", "issue"),
     M("reclaim-lifts-queue-above-owed", "reclaim within what is owed", CORE,
-      "if size > need + 1e-9 or memo in failed", "if memo in failed", "issue"),
+      "if size > need + 1e-9 or not self.ever_fits(job)", "if not self.ever_fits(job)", "issue"),
     M("owed-not-capped-by-entitlement", "owed capped by entitlement", FAIRSHARE,
       "target = min(queues[q].guaranteed.gpus, entitlement.get(q, 0.0), have + waiting)",
       "target = min(queues[q].guaranteed.gpus, have + waiting)", "issue"),

@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 
 from shared import aio
+from shared.cluster import CANCELLABLE, TERMINAL
 from shared.eventlog import EventLog, Record, Undecodable
 from shared.events import export_schemas
 from shared.natsauth import Credentials, credentials_from, write_client_files
@@ -524,7 +525,6 @@ SLURM_STATES = {
 }  # squeue's state codes and names; gpuorch's own names are taken as they are
 JOB_STATES = ("submitted", "queued", "placed", "running", "preempting", "preempted", "succeeded", "failed",
               "cancelled", "rejected")
-FINISHED = ("succeeded", "failed", "cancelled", "rejected")
 StateOpt = Annotated[str | None, typer.Option(
     "-s", "--state", "-t", help="comma-separated (-t as squeue and scancel): Slurm codes PD, CF, R, CG, PR, CD, F, CA (or their long names), "
                           "or gpuorch's states (queued, running, preempting, succeeded, ...)")]
@@ -564,7 +564,7 @@ def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int)
 def exit_code(job: dict[str, Any]) -> int | None:
     """A finished job's exit code, as Slurm's ExitCode: the failing code, else the highest its tasks exited with,
     else the signal that ended the first task a signal ended (negative)."""
-    if job["state"] not in FINISHED:
+    if job["state"] not in TERMINAL:
         return None
     if job.get("exit_code") is not None:
         return job["exit_code"]
@@ -588,7 +588,7 @@ def jobs(
 
     from rich.table import Table
 
-    unfinished = [st for st in JOB_STATES if st not in FINISHED]
+    unfinished = [st for st in JOB_STATES if st not in TERMINAL]
     states = job_states(state) if state else (None if all_ else unfinished)
     rows = list_jobs(url, queue, states, limit + 1)  # one more than shown: whether there are more
     more, rows = len(rows) > limit, rows[:limit]
@@ -608,9 +608,6 @@ def jobs(
     console.print(table)
     if more:  # say so, or 200 of 20,000 waiting jobs read as all of them
         err.print(f"[dim]the newest {limit} shown; --limit N shows more[/dim]")
-
-
-CANCELLABLE = ("submitted", "queued", "placed", "running", "preempting", "preempted")
 
 
 @app.command()
@@ -639,7 +636,7 @@ def cancel(
     if job_ids:
         body: dict[str, Any] = {"ids": job_ids}
     else:
-        states = [st for st in (job_states(state) if state else CANCELLABLE) if st in CANCELLABLE]
+        states = [st for st in (job_states(state) if state else JOB_STATES) if st in CANCELLABLE]
         if not states:
             fail(f"--state {state}: only unfinished jobs can be cancelled (PD, CF, R, CG, PR)")
         body = {k: v for k, v in (("name", name), ("queue", queue), ("states", states)) if v is not None}

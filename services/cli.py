@@ -361,6 +361,10 @@ def submit(
         fail(str(e).removeprefix("#SBATCH "))
     translated = [Translated({}, (), "flags")]
     known_queues: tuple[str, ...] | None = None
+    if file is None and (named := _job_file_named(command)) is not None:  # `sbatch job.sbatch`, as Slurm users type it
+        err.print(f"[dim]note:[/dim] {named} is a job file here: submitted as -f {named} would (a command on the "
+                  f"nodes: gpuorch submit -- {named} ARG...)")
+        file, command = named, None
     if file:
         ctx = _jobfile_context(url, jobfile_map)
         known_queues = ctx.queues
@@ -422,6 +426,25 @@ def submit(
         print_json(answers[0] if len(answers) == 1 else answers)
     if dry_run and any(a.get("refused") for a in answers):
         raise typer.Exit(1)
+
+
+def _job_file_named(command: list[str] | None) -> Path | None:
+    """The job file a lone command names, if it is one here: an sbatch script (#! or #SBATCH) or YAML/JSON."""
+    from services.jobfiles import is_sbatch
+
+    if not command or len(command) != 1:
+        return None
+    path = Path(command[0])
+    try:
+        if not path.is_file():
+            return None
+        if path.suffix in (".yaml", ".yml", ".json"):
+            return path
+        with path.open("rb") as f:
+            head = f.read(1 << 20).decode()
+    except (OSError, UnicodeDecodeError):
+        return None  # not readable here, or not text: a program for the nodes
+    return path if is_sbatch(head) else None
 
 
 def time_limit_s(text: str) -> int | None:
@@ -777,7 +800,7 @@ def logs(
         if not follow:
             return
         if not chunk["data"]:
-            if api("GET", url, f"/v1/jobs/{job_id}")["state"] in ("succeeded", "failed", "cancelled", "rejected"):
+            if api("GET", url, f"/v1/jobs/{job_id}")["state"] in TERMINAL:
                 return
             time.sleep(0.5)
 
@@ -921,7 +944,8 @@ def queues_set(
 
 def _queue_line(q: dict[str, Any]) -> str:
     limit = "none" if q.get("limit") is None else f"{q['limit']['gpus']:g}"
-    groups = f", groups {','.join(q['groups'])} ({q.get('group_access', 'none')})" if q.get("groups") else ""
+    groups = (f", groups {','.join(q['groups'])} (each other's jobs: {q.get('group_access', 'none')})"
+              if q.get("groups") else "")
     return (f"guaranteed {q['guaranteed']['gpus']:g} GPUs, limit {limit}, weight {q['weight']:g}, "
             f"priority {q['priority']}{groups}")
 
@@ -1010,9 +1034,11 @@ def cordon(node_id: str, reason: Annotated[str, typer.Option()] = "operator", ur
 
 
 @app.command()
-def drain(node_id: str, grace: Annotated[int, typer.Option("--grace", help="seconds")] = 300,
+def drain(node_id: str, grace: Annotated[int, typer.Option("--grace", help="seconds each task has to exit after "
+                                                                            "SIGTERM, before SIGKILL")] = 300,
           reason: Annotated[str, typer.Option()] = "operator", url: UrlOpt = DEFAULT_URL) -> None:
-    """Cordon a node and move its jobs elsewhere after a grace period."""
+    """Cordon a node and move its jobs elsewhere now: their tasks get SIGTERM (SIGKILL after --grace), the jobs
+    go back to their queues."""
     _node_action("drain", node_id, url, {"grace_s": grace, "reason": reason})
 
 

@@ -299,8 +299,9 @@ class ClusterBuilder:
         ns.unhealthy[ns.info.gpus[index].uuid] = "xid 79"
         return self
 
-    def snapshot(self, now: float = 0.0, entitlements: dict[str, float] | None = None) -> Snapshot:
-        return snapshot_from_cluster(self.proj, now, entitlements)
+    def snapshot(self, now: float = 0.0, entitlements: dict[str, float] | None = None,
+                 floors: dict[str, float] | None = None) -> Snapshot:
+        return snapshot_from_cluster(self.proj, now, entitlements, floors)
 
 
 def cluster(*nodes: NodeBuilder | NodeInfo) -> ClusterBuilder:

@@ -383,16 +383,17 @@ class Cycle:
     def reclaim(self, requests: Sequence[ReclaimRequest | tuple[str, float]]) -> None:
         """Free GPU-equivalents for queues below their entitlement by evicting other queues' gangs.
 
-        Victims come from queues above their entitlement (any other queue without
-        entitlements), lowest queue priority first, never pushing a queue below its
-        entitlement. For a queue with jobs waiting in this cycle, reclaim is for
+        Victims come from queues above their floor (``_floor``: the guarantee, capped by
+        the entitlement; any other queue without entitlements), lowest queue priority
+        first, never pushing a queue, nor a parent of it that the owed queue is not under,
+        below its floor: borrowed GPUs come back whole gangs at a time, even where a gang
+        takes its queue below its fair share. For a queue with jobs waiting in this cycle, reclaim is for
         those jobs: per job, in order, the cheapest gangs whose eviction lets it fit
         (as priority preemption), widening from the lowest-priority queues; evictions
         that would not let any of its jobs fit are not made (they would only churn).
         Without waiting jobs in view (``reclaim()`` alone), the cheapest gangs up to
         the amount owed.
         """
-        ent = self.snap.entitlements
         # jobs already preempting are on their way out for whoever waits: their share counts as freed,
         # and their queues no longer hold it (or each cycle would evict again until grace ends)
         leaving = sum(self.share(r.spec) for r in self.snap.running if r.preempting)
@@ -410,7 +411,7 @@ class Cycle:
             pool = [
                 r for r in self.snap.running
                 if not r.preempting and r.job_id not in self.evicted and r.queue != req.queue
-                and (ent is None or staying.get(r.queue, 0.0) > ent.get(r.queue, 0.0))
+                and ((floor := self._floor(r.queue)) is None or staying.get(r.queue, 0.0) > floor + EPS)
                 and not self.policy.protected(r, self.now)
             ]
             qprio = self.policy.queue_priority
@@ -419,7 +420,7 @@ class Cycle:
                 for v in pool:
                     if need <= 0:
                         break
-                    if self._within_budget([v], staying):
+                    if self._within_budget([v], staying, req.queue):
                         need -= self._evict_for(req.queue, [v], staying)
                 continue
             search = search or VictimSearch(self.ws, self.now)
@@ -457,22 +458,22 @@ class Cycle:
         if why is not None:
             self.unschedulable[job.job_id] = (
                 f"{why}; its queue {req.queue} is owed {req.gpus:g} GPUs, but no running job may be evicted for it "
-                "(each would take its own queue below its entitlement, or is protected)")
+                f"(each would take its own queue{self._floor_said}, or is protected)")
 
     def _reclaim_victims(self, job: PendingJob, mode: str, pool: Sequence[RunningJob], staying: dict[str, float],
                          search: VictimSearch) -> list[RunningJob] | None:
         """The cheapest gangs whose eviction lets ``job`` fit, from the lowest-priority queues first, within
-        every victim queue's budget above its entitlement (a set over budget is searched again without the
+        every victim queue's budget above its floor (a set over budget is searched again without the
         gangs of the queues it would overdraw)."""
         qprio = self.policy.queue_priority
         for tier in sorted({qprio.get(v.queue, 0) for v in pool}):
             left = [v for v in pool if v.job_id not in self.evicted and qprio.get(v.queue, 0) <= tier
-                    and self._within_budget([v], staying)]
+                    and self._within_budget([v], staying, job.queue)]
             for _ in range(4):
                 refused: list[RunningJob] = []
 
                 def accept(vs: Sequence[RunningJob]) -> bool:
-                    ok = self._within_budget(vs, staying)
+                    ok = self._within_budget(vs, staying, job.queue)
                     if not ok:
                         refused.extend(vs)
                     return ok
@@ -483,20 +484,42 @@ class Cycle:
                 if not refused:
                     break
                 over = {q for q in {v.queue for v in refused} if not self._within_budget(
-                    [v for v in refused if v.queue == q], staying)}
+                    [v for v in refused if v.queue == q], staying, job.queue)}
                 drop = {v.job_id for v in refused if v.queue in over}
                 left = [v for v in left if v.job_id not in drop]
         return None
 
-    def _within_budget(self, victims: Sequence[RunningJob], staying: dict[str, float]) -> bool:
-        """Evicting these leaves every victim's queue at or above its entitlement."""
+    def _floor(self, queue: str) -> float | None:
+        """What reclaim leaves a queue (any level) at least: the snapshot's floor (its guarantee, capped by its
+        entitlement), else a leaf's entitlement; None: nothing (no entitlements)."""
+        if self.snap.floors is not None:
+            return self.snap.floors.get(queue, 0.0)
         ent = self.snap.entitlements
-        if ent is None:
-            return True
+        return None if ent is None else ent.get(queue, 0.0)
+
+    @property
+    def _floor_said(self) -> str:
+        return (" or a parent queue below its guarantee" if self.snap.floors is not None
+                else " below its entitlement")
+
+    def _within_budget(self, victims: Sequence[RunningJob], staying: dict[str, float], for_queue: str) -> bool:
+        """Evicting these for ``for_queue`` leaves every victim's queue, and every parent of it that ``for_queue``
+        is not under (a move between siblings leaves their parent as it was), at or above its floor."""
         taken: dict[str, float] = {}
         for v in victims:
-            taken[v.queue] = taken.get(v.queue, 0.0) + self.share(v.spec)
-        return all(staying.get(q, 0.0) - t >= ent.get(q, 0.0) - 1e-9 for q, t in taken.items())
+            gpus = self.share(v.spec)
+            q = v.queue
+            while q and not (for_queue == q or for_queue.startswith(q + ".")):
+                taken[q] = taken.get(q, 0.0) + gpus
+                q = parent_of(q)
+        for q, t in taken.items():
+            floor = self._floor(q)
+            if floor is not None:
+                held = staying.get(q, 0.0) if q in staying else sum(
+                    g for leaf, g in staying.items() if leaf.startswith(q + "."))
+                if held - t < floor - 1e-9:
+                    return False
+        return True
 
     def _evict_for(self, queue: str, victims: Sequence[RunningJob], staying: dict[str, float]) -> float:
         """Record the reclaim of these gangs for ``queue``; the GPU-equivalents freed."""

@@ -68,7 +68,10 @@ def cycle_input(proj: ClusterProjection, policy: Policy, now: float, half_life_s
     leaf_ent = {q: division.entitlement.get(q, 0.0) for q in leaves(queues)}
     # 2. reclaim only for work that has waited a while: ordinary churn often frees the GPUs first, without evicting
     reclaims = reclaim_requests(queues, load.alloc, load.waited, leaf_ent, load.smallest)
-    return CycleInput(snapshot_from_cluster(proj, now, leaf_ent), queue_policy(policy, queues), now, tuple(reclaims))
+    # 3. what reclaim may not take a queue (or a parent) below: its guarantee, where its share is not smaller
+    floors = {q: min(queues[q].guaranteed.gpus if q in queues else 0.0, e) for q, e in division.entitlement.items()}
+    return CycleInput(snapshot_from_cluster(proj, now, leaf_ent, floors), queue_policy(policy, queues), now,
+                      tuple(reclaims))
 
 
 def decide(proj: ClusterProjection, policy: Policy, now: float, half_life_s: float,

@@ -122,6 +122,9 @@ class Snapshot:
     limits: Mapping[str, float] = field(default_factory=dict)  # queue path (any level) -> limit, in GPU-equivalents
     # what pending jobs depend on: a job id or an array id -> (job id, state) of that job or of the array's elements
     targets: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    # queue path (any level) -> what reclaim leaves it at least: its guarantee, capped by its entitlement; None:
+    # each leaf's entitlement (a snapshot without queue specs)
+    floors: Mapping[str, float] | None = None
 
 
 def _status(ns: NodeState) -> str:
@@ -176,7 +179,8 @@ def node_snap(ns: NodeState) -> NodeSnap:
 
 
 def snapshot_from_cluster(
-    proj: ClusterProjection, now: float, entitlements: Mapping[str, float] | None = None
+    proj: ClusterProjection, now: float, entitlements: Mapping[str, float] | None = None,
+    floors: Mapping[str, float] | None = None,
 ) -> Snapshot:
     """Pending = jobs queued; running = jobs holding resources (placed, running, preempting)."""
     nodes = tuple(node_snap(proj.nodes[k]) for k in sorted(proj.nodes))
@@ -201,7 +205,7 @@ def snapshot_from_cluster(
     running.sort(key=lambda j: j.job_id)
     return Snapshot(nodes, tuple(pending), tuple(running), None if entitlements is None else dict(entitlements), now,
                     proj.share_ratios(), {q: s.limit.gpus for q, s in proj.queues.items() if s.limit is not None},
-                    dependency_targets(proj, pending))
+                    dependency_targets(proj, pending), None if floors is None else dict(floors))
 
 
 def pending_view(job: JobRecord) -> PendingJob:

@@ -98,7 +98,7 @@ async def test_dry_run_and_queue_commands_from_the_command_line(eventlog, monkey
         # who may submit there, from the CLI as from the API; the rest of the queue stays as it was
         code, out = await gpuorch("queues", "set", "scratch", "--groups", "nlp, vision", "--group-access", "read",
                                   "--max-priority", "normal", "--weight", "2")
-        assert code == 0 and "groups nlp,vision (read)" in out, out
+        assert code == 0 and "groups nlp,vision (each other's jobs: read)" in " ".join(out.split()), out
         scratch = next(q for q in (await client.get("/v1/queues")).json() if q["path"] == "scratch")
         assert (scratch["groups"], scratch["group_access"], scratch["max_priority"], scratch["weight"]) == \
             (["nlp", "vision"], "read", "normal", 2.0)
@@ -146,3 +146,38 @@ async def test_dry_run_and_queue_commands_from_the_command_line(eventlog, monkey
         assert code == 1 and "gpuorch job id" in " ".join(out.split()), out
         code, out = await gpuorch("submit", "--array", "0-99999", "--", "true")
         assert code == 1 and "more than 10000 jobs" in " ".join(out.split()), out
+
+
+async def test_submit_of_a_job_file_by_its_name_alone_submits_the_file_as_sbatch_does(eventlog, monkeypatch, tmp_path):
+    """`gpuorch submit job.sbatch`, as `sbatch job.sbatch`: the script's directives and body make the job. It used to
+    become a job whose command was the file's name, which then failed on its node with exit 127 (no such file)."""
+    from shared import events as ev
+    from shared.events import Envelope
+    from tests.builders import node
+
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        answer_through(monkeypatch, client)
+        await eventlog.append(Envelope(ev.NodeRegistered(node_id="n0", node=node("n0").gpus(8, model="H100-80GB")
+                                                         .build())))
+        script = tmp_path / "job.sbatch"
+        script.write_text("#!/bin/bash\n#SBATCH --job-name=train\n#SBATCH --gres=gpu:2\n#SBATCH --array=0-3\n"
+                          "echo hello $SLURM_ARRAY_TASK_ID\n")
+        monkeypatch.chdir(tmp_path)
+        code, out = await gpuorch("submit", "job.sbatch", "--json")
+        assert code == 0, out
+        said = " ".join(out.split())
+        assert "note: job.sbatch is a job file here: submitted as -f job.sbatch" in said, out
+        array = json.loads(out[out.index("{"):])
+        assert array["count"] == 4 and array["name"] == "train", array
+        jobs = (await client.get("/v1/jobs", params={"array": array["id"]})).json()
+        assert len(jobs) == 4 and {j["spec"]["resources"]["gpus"] for j in jobs} == {2.0}, jobs
+        assert all(j["spec"]["command"][:2] == ["/bin/bash", "-c"] and "echo hello" in j["spec"]["command"][2]
+                   for j in jobs), jobs[0]["spec"]["command"]  # the script's body, not its name
+
+        # a manifest by its name alone too; a file with arguments after it stays a command (a script on the nodes)
+        manifest = tmp_path / "job.yaml"
+        manifest.write_text("name: one\ncommand: [\"true\"]\n")
+        code, out = await gpuorch("submit", "job.yaml", "--json")
+        assert code == 0 and json.loads(out[out.index("{"):])["name"] == "one", out
+        code, out = await gpuorch("submit", "--json", "--", "job.sbatch", "--lr", "3")
+        assert code == 0 and json.loads(out[out.index("{"):])["spec"]["command"] == ["job.sbatch", "--lr", "3"], out

@@ -274,11 +274,13 @@ def contended(draw, kind: str = "mixed") -> Scenario:
     held: Counter = Counter()
     for j in c.proj.jobs.values():
         held[j.spec.queue] += job_share(j.spec, ratios)
-    entitlements, reclaims = None, []
+    entitlements, floors, reclaims = None, None, []
     if kind == "reclaim" or (not lean.head and draw(st.integers(0, 3))):
         entitlements = {q: max(0.0, held[q] + draw(st.sampled_from(lean.owed if q == home else lean.entitled)))
                         for q in QUEUES}
         reclaims = [ReclaimRequest(q, e - held[q]) for q, e in entitlements.items() if e > held[q] + 1e-9]
+        if kind == "reclaim" and draw(st.booleans()):  # guarantees below the entitlements: reclaim may take a gang below the share
+            floors = {q: max(0.0, e - draw(st.sampled_from([0, 1, 2, 4, 8, 16]))) for q, e in entitlements.items()}
     elif draw(st.booleans()):
         reclaims = [ReclaimRequest(home, draw(st.sampled_from([1, 2, 4, 8])))]
     if draw(st.integers(0, 3)) == 0:
@@ -300,7 +302,7 @@ def contended(draw, kind: str = "mixed") -> Scenario:
         min_runtime_s=draw(st.sampled_from([{}, {}, {"a": 60}])),
         queue_priority=draw(st.sampled_from([{}, {}, {"c": -1}])),
     )
-    snap = c.snapshot(NOW, entitlements)
+    snap = c.snapshot(NOW, entitlements, floors)
     return Scenario(kind, c, snap, policy, NOW, reclaims, run_cycle(snap, policy, NOW, reclaims))
 
 
@@ -348,6 +350,10 @@ def reached(s: Scenario) -> set[str]:
         labels.add("queues over and under entitlement")
     if any(p.for_queue for p in plan.preemptions):
         labels.add("reclaim victim")
+        if s.snapshot.floors is not None and any(
+                staying_after(s, p.job_id) < ent[running_of(s)[p.job_id].queue] - 1e-9
+                for p in plan.preemptions if p.for_queue):
+            labels.add("reclaim victim's queue left below its share, not its floor")
     if any(p.for_job for p in plan.preemptions):
         labels.add("priority preemption")
     for job_id, p in plan.placements.items():
@@ -645,13 +651,22 @@ def test_priority_preemption_evicts_only_lower_priority_gangs_and_only_to_make_r
     shares.require({"preempt": {"priority preemption": 0.25, "most GPUs busy": 0.9}})
 
 
+def staying_after(s: Scenario, job_id: str) -> float:
+    """What the queue of running job ``job_id`` holds once the plan's evictions and the jobs leaving are gone."""
+    running, gone = running_of(s), {p.job_id for p in s.plan.preemptions}
+    queue = running[job_id].queue
+    return sum(job_share(r.spec, s.snapshot.ratios) for r in running.values()
+               if r.queue == queue and not r.preempting and r.job_id not in gone)
+
+
 def reclaim_rules(s: Scenario) -> None:
-    """Reclaim takes other queues' gangs, only from queues above their entitlement and never below it, only
-    for waiting jobs of the owed queue that then fit, and never more than the queue is owed (DESIGN 7)."""
+    """Reclaim takes other queues' gangs, only from queues above their floor and never below it (the floor: the
+    guarantee capped by the entitlement where the snapshot has floors, else the entitlement), only for waiting jobs
+    of the owed queue that then fit, and never more than the queue is owed (DESIGN 7)."""
     running = running_of(s)
     ent = s.snapshot.entitlements
+    floors = s.snapshot.floors if s.snapshot.floors is not None else ent
     asked = {r.queue: r.gpus for r in s.reclaims}
-    gone = {p.job_id for p in s.plan.preemptions}
     reclaimed = {p.job_id: p for p in s.plan.preemptions if p.for_queue}
 
     def share(spec: JobSpec) -> float:
@@ -660,10 +675,10 @@ def reclaim_rules(s: Scenario) -> None:
     for p in reclaimed.values():
         v = running[p.job_id]
         assert p.for_queue in asked and v.queue != p.for_queue and not v.preempting and not young(s, v)
-        if ent is not None:
-            staying = sum(share(r.spec) for r in running.values()
-                          if r.queue == v.queue and not r.preempting and r.job_id not in gone)
-            assert staying >= ent.get(v.queue, 0.0) - 1e-6, f"queue {v.queue} left at {staying}, entitled {ent[v.queue]}"
+        if floors is not None:
+            staying = staying_after(s, p.job_id)
+            assert staying >= floors.get(v.queue, 0.0) - 1e-6, \
+                f"queue {v.queue} left at {staying}, its floor {floors.get(v.queue, 0.0)}"
     named: set[str] = set()
     owed: Counter = Counter()
     room = room_once_gone(s)
@@ -684,7 +699,8 @@ def reclaim_rules(s: Scenario) -> None:
 
 def test_reclaim_takes_only_other_queues_gangs_above_their_entitlement_for_jobs_that_then_fit(shares: Shares) -> None:
     check(shares, reclaim_rules, "reclaim", "backfill")
-    shares.require({"reclaim": {"reclaim victim": 0.15, "queues over and under entitlement": 0.5}})
+    shares.require({"reclaim": {"reclaim victim": 0.15, "queues over and under entitlement": 0.5,
+                                "reclaim victim's queue left below its share, not its floor": 0.02}})
 
 
 # --- backfill -------------------------------------------------------------------------------------

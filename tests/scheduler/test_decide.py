@@ -203,3 +203,51 @@ def test_a_waiting_jobs_view_is_made_once_and_again_when_the_job_changes() -> No
         assert after is not before
         assert (after.spec, after.submitted_at, after.preemptions, after.owner) == (
             record.spec, record.submitted_at, len(record.preemptions), record.owner)
+
+
+# --- reclaim honours guarantees whole gangs at a time (found with gpuorch up: a guarantee never came back) ---------
+
+
+def three_big_jobs_of(queue: str, **queues: QueueSpec) -> ClusterBuilder:
+    """Three 8-GPU nodes, each held whole by one 8-GPU job of ``queue``; a 4-GPU job of ``research.vision`` waits."""
+    c = cluster(*(node(f"n{i}").gpus(8) for i in range(3)))
+    c.proj.queues.update(queues)
+    for i in range(3):
+        c.running(job(f"big{i}").gpus(8).queue(queue).build(), on=[(f"n{i}", list(range(8)))], job_id=f"big{i}",
+                  started_at=0)
+    c.pending(job("v0").gpus(4).queue("research.vision").build(), "v0", at=NOW - 100)
+    c.proj.jobs["v0"].updated_at = NOW - 100
+    return c
+
+
+def test_a_guarantee_is_reclaimed_from_a_borrower_even_when_a_whole_gang_takes_it_below_its_fair_share() -> None:
+    """nlp (guaranteed 4) borrows 20 GPUs as three 8-GPU jobs; vision is guaranteed 4 and owed them. Its fair share
+    with vision's demand is 20, so evicting one job leaves nlp at 16: below that share, far above its guarantee.
+    Reclaim used to refuse (it kept every victim queue at its fair share), so vision's guarantee never came back
+    while nlp ran: its job waited as 'owed 4 GPUs, but no running job may be evicted for it'. (Their parent keeps
+    its 24: a move between siblings.)"""
+    four = QueueSpec(guaranteed=GpuAmount(gpus=4))
+    queues = {"research": QueueSpec(guaranteed=GpuAmount(gpus=24)), "research.nlp": four, "research.vision": four}
+    plan = decide(three_big_jobs_of("research.nlp", **queues).proj, Policy(), NOW, HOUR)
+
+    [victim] = plan.preemptions
+    assert victim.job_id.startswith("big") and victim.for_queue == "research.vision", plan.unschedulable
+    assert plan.unschedulable["v0"].startswith(f"waiting for {victim.job_id} to leave: reclaimed for queue "
+                                               "research.vision")
+
+
+def test_reclaim_never_takes_a_victim_below_its_guarantee_nor_a_parent_the_reclaimer_does_not_share() -> None:
+    """The same, but the borrower is guaranteed 20: one 8-GPU job less would leave it at 16, below its guarantee
+    (it would be owed 4 and take them back: churn). And where the guarantee is its parent's (lab guaranteed 20, its
+    leaf none), evicting any of lab's jobs would take lab below 20 for a queue outside it. Nothing is taken."""
+    four = QueueSpec(guaranteed=GpuAmount(gpus=4))
+    for queue, queues in [
+        ("research.nlp", {"research.nlp": QueueSpec(guaranteed=GpuAmount(gpus=20)), "research.vision": four}),
+        ("lab.x", {"lab": QueueSpec(guaranteed=GpuAmount(gpus=20)), "lab.x": QueueSpec(), "research": four,
+                   "research.vision": four}),
+    ]:
+        plan = decide(three_big_jobs_of(queue, **queues).proj, Policy(), NOW, HOUR)
+        assert plan.preemptions == (), queue
+        assert "its queue research.vision is owed 4 GPUs, but no running job may be evicted for it (each would take " \
+               "its own queue or a parent queue below its guarantee, or is protected)" in plan.unschedulable["v0"], \
+               plan.unschedulable

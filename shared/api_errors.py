@@ -110,8 +110,24 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+SHOWN_INPUT_CHARS = 200
+SECRET_FIELDS = frozenset({"secret_env", "token", "password"})
+
+
+def _shown(error: dict[str, Any]) -> dict[str, Any]:
+    """One refused field as answered: its own value (cut to SHOWN_INPUT_CHARS), never an object or list around it
+    (a missing field's 'input' is the whole body), nor anything under a secret field."""
+    out = dict(error)
+    value = out.get("input")
+    if isinstance(value, (dict, list, tuple)) or SECRET_FIELDS & {str(x) for x in out.get("loc", ())}:
+        out.pop("input", None)
+    elif isinstance(value, (str, bytes)) and len(value) > SHOWN_INPUT_CHARS:
+        out["input"] = f"{_json_safe(value[:SHOWN_INPUT_CHARS])}... ({len(value)} characters)"
+    return out
+
+
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return JSONResponse({"detail": jsonable_encoder(_json_safe(exc.errors()))}, status_code=422)
+    return JSONResponse({"detail": jsonable_encoder(_json_safe([_shown(e) for e in exc.errors()]))}, status_code=422)
 
 
 class Unavailable(Exception):

@@ -65,6 +65,23 @@ async def test_infinity_and_nan_are_refused_with_422_in_every_model(eventlog: Ev
                           **raw('{"command": ["x"], "target_pending_per_replica": %s}' % number))
 
 
+async def test_a_422_never_echoes_a_secret_nor_a_whole_object_back(eventlog: EventLog):
+    """A refused field's own value is shown (it says what was wrong); the object around it is not. A 422 used to
+    echo the whole body for a missing field, secret_env values included, and 100,000 array indices in full."""
+    async with stack(eventlog) as (client, _):
+        body = await refused(eventlog, client, "POST", "/v1/jobs", 422,
+                             json={"command": ["true"], "secret_env": {"TOKEN": "hunter2"}})
+        assert body["detail"][0]["loc"] == ["body", "name"] and "hunter2" not in json.dumps(body), body
+        body = await refused(eventlog, client, "POST", "/v1/jobs", 422,
+                             json={**JOB, "secret_env": {"TOKEN": 7}, "resources": {"gpus": -1}})
+        assert "input" not in next(e for e in body["detail"] if "secret_env" in e["loc"]), body
+        assert next(e for e in body["detail"] if "gpus" in e["loc"])["input"] == -1, "the bad value itself is shown"
+        r = await client.post("/v1/jobs", json={**JOB, "array": {"indices": list(range(100_000))}})
+        assert r.status_code == 422 and len(r.content) < 2_000, (len(r.content), r.text[:300])
+        body = await refused(eventlog, client, "POST", "/v1/jobs", 422, json={**JOB, "name": "x" * 100_000})
+        assert len(json.dumps(body)) < 2_000 and "100000 characters" in json.dumps(body), json.dumps(body)[:300]
+
+
 async def test_a_body_above_the_limit_is_413_before_it_is_read_whole(eventlog: EventLog):
     async with stack(eventlog) as (client, _):
         ten_mb = {**JOB, "command": ["x" * 131_072] * 80}  # valid in every field: once a 500 from the bus

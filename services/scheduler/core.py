@@ -387,10 +387,11 @@ class Cycle:
         the entitlement; any other queue without entitlements), lowest queue priority
         first, never pushing a queue, nor a parent of it that the owed queue is not under,
         below its floor: borrowed GPUs come back whole gangs at a time, even where a gang
-        takes its queue below its fair share. For a queue with jobs waiting in this cycle, reclaim is for
-        those jobs: per job, in order, the cheapest gangs whose eviction lets it fit
-        (as priority preemption), widening from the lowest-priority queues; evictions
-        that would not let any of its jobs fit are not made (they would only churn).
+        takes its queue below its fair share. For a queue with jobs waiting in this
+        cycle, reclaim is for those jobs: per job, in order, the cheapest gangs whose
+        eviction lets it fit (as priority preemption), widening from the lowest-priority
+        queues; evictions that would not let any of its jobs fit are not made (they
+        would only churn).
         Without waiting jobs in view (``reclaim()`` alone), the cheapest gangs up to
         the amount owed.
         """
@@ -515,8 +516,7 @@ class Cycle:
         for q, t in taken.items():
             floor = self._floor(q)
             if floor is not None:
-                held = staying.get(q, 0.0) if q in staying else sum(
-                    g for leaf, g in staying.items() if leaf.startswith(q + "."))
+                held = sum(g for held_by, g in staying.items() if held_by == q or held_by.startswith(q + "."))
                 if held - t < floor - 1e-9:
                     return False
         return True

@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -49,7 +49,7 @@ def _options(
     token: Annotated[str | None, typer.Option("--token", envvar="GPUORCH_TOKEN", show_envvar=True,
                                               help="API token (default: the admin token of the stack running here)")] = None,
 ) -> None:
-    _token["value"] = token
+    _token["value"] = token.strip() if token else None  # a token read from a file keeps its newline
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -279,10 +279,17 @@ def api_response(method: str, url: str, path: str, key: str | None = None, **kw:
                       f"(Idempotency-Key {key})")
             told = True
         time.sleep(SUBMIT_RETRY_EVERY_S)
+    refused(resp, url, token)
+    return resp
+
+
+def refused(resp: Any, url: str, token: str | None) -> None:
+    """Fail with the API's reason if it answered 4xx or 5xx (``resp``: an httpx response, read or streamed)."""
     if resp.status_code == 401 and not token:
         fail(f"{url} wants a token: set GPUORCH_TOKEN (or --token, GPUORCH_TOKEN_FILE, ~/.config/gpuorch/token); "
              "an admin issues one with `gpuorch tokens create`")
     if resp.status_code >= 400:
+        resp.read()
         try:
             detail = resp.json().get("detail", resp.text)
         except ValueError:
@@ -293,7 +300,6 @@ def api_response(method: str, url: str, path: str, key: str | None = None, **kw:
             )
             detail = "invalid request:\n  " + detail
         fail(f"{detail} (HTTP {resp.status_code})")
-    return resp
 
 
 def age(ts: float | None, now: float) -> str:
@@ -1196,13 +1202,49 @@ def event_line(rec: Record) -> str:
     return f"{rec.seq:>8}  {ts:<24} {rec.data.TYPE:<22} {rec.subject:<32} {summary[:160]}{by}"
 
 
-def _emit(rec: Record, as_json: bool) -> None:
+def _emit(rec: Record | dict[str, Any], as_json: bool) -> None:
+    """One event as ``record_json`` shows it (``rec``: a record, or that JSON as the API answered it)."""
     from shared.api_events import record_json
+    from shared.eventlog import Undecodable, _decode_body
 
+    shown = rec if isinstance(rec, dict) else record_json(rec)
     if as_json:
-        print(json.dumps(record_json(rec)), flush=True)
-    else:
-        console.print(event_line(rec), markup=False, highlight=False, soft_wrap=True)
+        print(json.dumps(shown), flush=True)
+        return
+    if isinstance(rec, dict):
+        seq = int(rec["seq"])
+        rec = (Undecodable(seq, str(rec["undecodable"]), False, "") if "undecodable" in rec
+               else _decode_body(json.dumps({k: v for k, v in rec.items() if k != "seq"}).encode(), seq))
+    console.print(event_line(rec), markup=False, highlight=False, soft_wrap=True)
+
+
+def _log_here(nats: str | None, data_dir: Path | None) -> bool:
+    """Read the log from NATS (--nats, --data-dir, or a stack's data dir here, running or stopped), not the API."""
+    return bool(nats or data_dir or (local_data_dir() / "nats").exists())
+
+
+def _api_events(url: str, after: int | None, follow: bool) -> Iterator[dict[str, Any]]:
+    """The log's events through the API (operators): from ``after`` + 1 (None: new ones only), page by page until
+    caught up, or, to ``follow``, its event stream until interrupted."""
+    import httpx
+
+    if not follow:
+        while page := api("GET", url, "/v1/events", params={"after": after or 0, "limit": 1000}):
+            yield from page
+            after = page[-1]["seq"]
+        return
+    url = resolve_url(url)
+    token = resolve_token(url)
+    params = {} if after is None else {"after": after}
+    try:
+        with httpx.stream("GET", url.rstrip("/") + "/v1/events/stream", params=params, timeout=httpx.Timeout(30, read=None),
+                          headers={"authorization": f"Bearer {token}"} if token else {}) as resp:
+            refused(resp, url, token)
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    yield json.loads(line.removeprefix("data: "))
+    except httpx.HTTPError as e:
+        fail(f"lost gpuorch at {url} ({type(e).__name__}): is `gpuorch up` running? (--url or GPUORCH_URL)")
 
 
 @events_app.command("tail")
@@ -1210,9 +1252,16 @@ def events_tail(
     nats: NatsOpt = None,
     data_dir: DataDirOpt = None,
     from_seq: Annotated[int | None, typer.Option("--from", help="start at this sequence (default: new events only)")] = None,
+    url: UrlOpt = DEFAULT_URL,
     as_json: JsonOpt = False,
 ) -> None:
-    """Follow the log: one line per event as it is stored."""
+    """Follow the log: one line per event as it is stored. Without --nats or --data-dir and with no stack's data
+    dir here, through the API at --url (an operator's token)."""
+    if not _log_here(nats, data_dir):
+        with contextlib.suppress(KeyboardInterrupt):
+            for event in _api_events(url, None if from_seq is None else from_seq - 1, follow=True):
+                _emit(event, as_json)
+        return
 
     async def run() -> None:
         async with open_log(nats, data_dir) as evlog:
@@ -1230,9 +1279,17 @@ def events_replay(
     data_dir: DataDirOpt = None,
     from_seq: Annotated[int, typer.Option("--from", min=1, help="first sequence")] = 1,
     limit: Annotated[int | None, typer.Option(min=1, help="at most this many events")] = None,
+    url: UrlOpt = DEFAULT_URL,
     as_json: JsonOpt = False,
 ) -> None:
-    """Print the history from a sequence until caught up."""
+    """Print the history from a sequence until caught up. Without --nats or --data-dir and with no stack's data
+    dir here, through the API at --url (an operator's token)."""
+    if not _log_here(nats, data_dir):
+        for n, event in enumerate(_api_events(url, from_seq - 1, follow=False), 1):
+            _emit(event, as_json)
+            if limit and n >= limit:
+                break
+        return
 
     async def run() -> None:
         async with open_log(nats, data_dir) as evlog, contextlib.aclosing(evlog.replay(from_seq)) as records:

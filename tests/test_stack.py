@@ -173,6 +173,17 @@ def test_the_cli_runs_jobs_on_a_stack_started_on_its_default_data_dir(tmp_path: 
     assert gpuorch(tmp_path, "logs", ids["ok"]).stdout == "hi\n"
     history = gpuorch(tmp_path, "events", "replay")  # the running stack's own log, found from its data dir
     assert history.returncode == 0 and f"job/{ids['ok']}" in history.stdout and "job.succeeded" in history.stdout, history.stderr
+    # elsewhere, with the API's URL and a token: the same history through the API (it used to answer "no event log
+    # under .gpuorch"), and to follow it, the API's event stream
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**ENV, "GPUORCH_URL": stack.url, "GPUORCH_TOKEN": (tmp_path / ".gpuorch/auth/admin.token").read_text()}
+    cli = [sys.executable, "-m", "services.cli", "events"]
+    through_api = subprocess.run([*cli, "replay"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
+    assert through_api.returncode == 0 and through_api.stdout.startswith(history.stdout), through_api.stderr
+    with pytest.raises(subprocess.TimeoutExpired) as followed:  # it follows until interrupted
+        subprocess.run([*cli, "tail", "--from", "1"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=5)
+    assert (followed.value.stdout or b"").decode().startswith(history.stdout)
 
     out = gpuorch(tmp_path, "inject-xid", "t4-4x-0", "79", "--gpu", "1", "--url", stack.url)
     assert out.returncode == 0, out.stderr

@@ -113,6 +113,10 @@ RULES: dict[str, Rule] = {
                          (SE, CORE_T, PROPS)),
     "reclaim victims": Rule("reclaim evicts only other queues' gangs, never taking a queue below its floor",
                             (SE, CORE_T, PROPS)),
+    "a deployment's replicas are its own": Rule(
+        "a deployment's replicas are its owner's jobs that name it: another user's job naming it neither holds "
+        "replicas back nor is cancelled; deleting a deployment cancels its replicas",
+        ("tests/autoscaler/test_autoscaler_stack.py",)),
     "guarantees come back whole gangs at a time": Rule(
         "a queue's floor is its guarantee capped by its entitlement, checked for it and for each parent the owed "
         "queue is not under: a gang that takes a borrower below its fair share is still reclaimed",
@@ -453,6 +457,10 @@ MUTANTS: tuple[Mutant, ...] = (
     M("reclaim-overdraws-victim-queues", "reclaim victims", CORE,
       "                if held - t < floor - 1e-9:\n                    return False",
       "                if False:\n                    return False"),
+    M("replicas-of-any-owner", "a deployment's replicas are its own", "services/autoscaler/service.py",
+      "== name and j.owner == owner and j.state in", "== name and j.state in"),
+    M("a-deleted-deployment-keeps-its-replicas", "a deployment's replicas are its own", "services/autoscaler/service.py",
+      "            for job_id in self.replicas_of(name, owner):", "            for job_id in []:"),
     M("reclaim-floor-is-the-entitlement", "guarantees come back whole gangs at a time", "services/scheduler/decide.py",
       "floors = {q: min(queues[q].guaranteed.gpus if q in queues else 0.0, e) for q, e in",
       "floors = {q: e for q, e in"),

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import signal
 import sys
 import uuid
@@ -1060,6 +1061,153 @@ def inject_xid(node_id: str, xid: int, gpu: Annotated[int, typer.Option(help="GP
     """Simulated nodes: make a GPU report an XID as its driver would (79: fallen off the bus), to watch health act."""
     res = api("POST", url, f"/v1/nodes/{node_id}/inject-xid", json={"gpu_index": gpu, "xid": xid})
     console.print(f"xid {xid} on {node_id} GPU {gpu} ({res['gpu_uuid']}): watch `gpuorch nodes` and `gpuorch jobs`")
+
+
+# --- pools and deployments ---------------------------------------------------------------
+
+pools_app = typer.Typer(help="Node pools the autoscaler grows and shrinks (operators list, admins change).")
+app.add_typer(pools_app, name="pools")
+deployments_app = typer.Typer(help="Inference deployments: replicas that follow a posted queue length.")
+app.add_typer(deployments_app, name="deployments")
+
+
+@pools_app.callback(invoke_without_command=True)
+def pools(ctx: typer.Context, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """List pools: profile, nodes (min/now/max), coming, cost per hour, provider and its last error."""
+    if ctx.invoked_subcommand is not None:
+        return
+    rows = api("GET", url, "/v1/pools")
+    if as_json:
+        print_json(rows)
+        return
+    _table(("POOL", "PROFILE", "NODES(min/now/max)", "COMING", "IDLE-TIMEOUT", "COST/H", "PROVIDER"),
+           [(p["name"], p["profile"], f"{p['min_nodes']}/{len(p['nodes'])}/{p['max_nodes']}", str(p["in_flight"]),
+             f"{p['idle_timeout_s']:g}s", f"{p['cost_per_hour']:g}",
+             p["provider"] + (f" (error: {p['provider_error']})" if p.get("provider_error") else ""))
+            for p in rows])
+
+
+POOL_FIELDS = ("profile", "min_nodes", "max_nodes", "provision_delay_s", "idle_timeout_s", "cost_per_node_hour",
+               "hourly_cost_cap", "provider")
+
+
+@pools_app.command("set")
+def pools_set(
+    name: Annotated[str, typer.Argument(help="the pool's name (created if new)")],
+    profile: Annotated[str | None, typer.Option(help="the node shape it buys, e.g. dgx-h100")] = None,
+    min_nodes: Annotated[int | None, typer.Option("--min", help="nodes it keeps")] = None,
+    max_nodes: Annotated[int | None, typer.Option("--max", help="nodes it may have (0: shrink to nothing)")] = None,
+    idle_timeout: Annotated[str | None, typer.Option(help="a node idle this long goes (90s, 10m)")] = None,
+    provision_delay: Annotated[str | None, typer.Option(help="simulated pools: how long a node takes to come")] = None,
+    cost_per_node_hour: Annotated[float | None, typer.Option(help="price of one node for an hour")] = None,
+    cost_cap: Annotated[float | None, typer.Option(help="the most it may cost per hour")] = None,
+    provider: Annotated[str | None, typer.Option(help="a provider of the server's providers file, or simulated")] = None,
+    url: UrlOpt = DEFAULT_URL,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a pool, or change what these options say of it (the rest stays as it is)."""
+    current = next((p for p in api("GET", url, "/v1/pools") if p["name"] == name), None)
+    body = {k: current[k] for k in POOL_FIELDS} if current else {}
+    given = {"profile": profile, "min_nodes": min_nodes, "max_nodes": max_nodes,
+             "idle_timeout_s": _seconds(idle_timeout, "--idle-timeout"),
+             "provision_delay_s": _seconds(provision_delay, "--provision-delay"),
+             "cost_per_node_hour": cost_per_node_hour, "hourly_cost_cap": cost_cap, "provider": provider}
+    body.update({k: v for k, v in given.items() if v is not None})
+    if current is None and ("profile" not in body or "max_nodes" not in body):
+        fail(f"pool {name} is new: give --profile and --max")
+    res = api("PUT", url, f"/v1/pools/{name}", json=body)
+    if as_json:
+        print_json(res)
+    else:
+        console.print(f"pool {name} {'updated' if current else 'created'}: {res['profile']}, "
+                      f"{res['min_nodes']}-{res['max_nodes']} nodes, provider {res['provider']}")
+
+
+@pools_app.command("delete")
+def pools_delete(name: str, url: UrlOpt = DEFAULT_URL) -> None:
+    """Delete a pool that has no node left (set --max 0 first: its nodes go when idle)."""
+    api("DELETE", url, f"/v1/pools/{name}")
+    console.print(f"pool {name} deleted")
+
+
+@deployments_app.callback(invoke_without_command=True)
+def deployments(ctx: typer.Context, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """List deployments: replicas (min/live/max), waiting requests per replica target, queue, command."""
+    if ctx.invoked_subcommand is not None:
+        return
+    rows = api("GET", url, "/v1/deployments")
+    if as_json:
+        print_json(rows)
+        return
+    _table(("DEPLOYMENT", "REPLICAS(min/live/max)", "PENDING", "PER-REPLICA", "QUEUE", "GPUS", "COMMAND"),
+           [(d["name"], f"{d['spec']['min_replicas']}/{d['live_replicas']}/{d['spec']['max_replicas']}",
+             f"{d['pending_requests']:g}", f"{d['spec']['target_pending_per_replica']:g}", d["spec"]["job"]["queue"],
+             f"{d['spec']['job']['resources']['gpus']:g}", shlex.join(d["spec"]["job"]["command"])[:60])
+            for d in rows])
+
+
+@deployments_app.command("set")
+def deployments_set(
+    name: Annotated[str, typer.Argument(help="the deployment's name")],
+    command: Annotated[list[str], typer.Argument(help="what each replica runs")],
+    queue: Annotated[str, typer.Option("-q", "--queue")] = "default",
+    gpus: Annotated[float, typer.Option("-g", "--gpus", help="GPUs per replica")] = 1.0,
+    cpu: Annotated[int, typer.Option(help="milli-CPU per replica")] = 0,
+    memory: Annotated[int, typer.Option(help="MiB per replica")] = 0,
+    min_replicas: Annotated[int, typer.Option("--min")] = 0,
+    max_replicas: Annotated[int, typer.Option("--max")] = 1,
+    per_replica: Annotated[float, typer.Option(help="waiting requests one replica takes")] = 1.0,
+    stabilization: Annotated[str, typer.Option(help="scale down only after demand stayed lower this long")] = "60s",
+    scale_to_zero_after: Annotated[str, typer.Option(help="with --min 0: no request for this long")] = "300s",
+    env: Annotated[list[str] | None, typer.Option("-e", "--env", help="K=V (repeatable)")] = None,
+    url: UrlOpt = DEFAULT_URL,
+    as_json: JsonOpt = False,
+) -> None:
+    """Define a deployment, whole (what is not given takes its default). Its server posts its queue length to
+    POST /v1/deployments/NAME/metrics; replicas follow it."""
+    bad = [e for e in env or [] if "=" not in e]
+    if bad:
+        fail(f"--env takes K=V, got {bad[0]!r}")
+    body = {"command": command, "queue": queue, "resources": {"gpus": gpus, "cpu_milli": cpu, "memory_mib": memory},
+            "min_replicas": min_replicas, "max_replicas": max_replicas, "target_pending_per_replica": per_replica,
+            "stabilization_s": _seconds(stabilization, "--stabilization"),
+            "scale_to_zero_after_s": _seconds(scale_to_zero_after, "--scale-to-zero-after"),
+            "env": dict(e.split("=", 1) for e in env or [])}
+    res = api("PUT", url, f"/v1/deployments/{name}", json=body)
+    if as_json:
+        print_json(res)
+    else:
+        console.print(f"deployment {name}: {min_replicas}-{max_replicas} replicas of {gpus:g} GPU(s) in queue "
+                      f"{queue}, one per {per_replica:g} waiting requests")
+
+
+@deployments_app.command("delete")
+def deployments_delete(name: str, url: UrlOpt = DEFAULT_URL) -> None:
+    """Delete a deployment; its replicas are cancelled."""
+    res = api("DELETE", url, f"/v1/deployments/{name}")
+    console.print(f"deployment {name} deleted; its {res['replicas']} replica(s) are being cancelled")
+
+
+def _seconds(text: str | None, flag: str) -> float | None:
+    from shared.timespec import duration_s
+
+    if text is None:
+        return None
+    seconds = float(text) if text.strip().isdigit() else duration_s(text)
+    if seconds is None:
+        fail(f"{flag} {text!r}: write a duration (90s, 10m, 2h) or seconds")
+    return seconds
+
+
+def _table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
 
 
 # --- identity ----------------------------------------------------------------------------

@@ -79,6 +79,8 @@ ROUTE_ROLES: dict[tuple[str, str], str] = {
     ("DELETE", "/v1/queues/{path}"): "admin",
     ("PUT", "/v1/pools/{name}"): "admin",
     ("PUT", "/v1/deployments/{name}"): "admin",
+    ("DELETE", "/v1/pools/{name}"): "admin",
+    ("DELETE", "/v1/deployments/{name}"): "admin",
     ("POST", "/v1/nodes/{node_id}/inject-xid"): "admin",
     ("POST", "/v1/tokens"): "admin",
     ("GET", "/v1/tokens"): "admin",

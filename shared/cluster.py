@@ -262,6 +262,9 @@ class ClusterProjection(Projection):
     def on_pool_defined(self, env: Envelope, e: ev.PoolDefined) -> None:
         self.pool_shapes[e.pool] = (e.profile, e.max_nodes)
 
+    def on_pool_deleted(self, env: Envelope, e: ev.PoolDeleted) -> None:
+        self.pool_shapes.pop(e.pool, None)
+
     def on_pool_node_terminated(self, env: Envelope, e: ev.PoolNodeTerminated) -> None:
         node = self.nodes.get(e.node_id)
         if node is not None and (node.gpu_alloc or node.cpu_alloc):

@@ -369,6 +369,22 @@ class DeploymentScaled(Event):
     replicas: int
 
 
+@register
+class DeploymentDeleted(Event):
+    """The deployment is gone; the autoscaler cancels its replicas (its owner's jobs that name it)."""
+
+    TYPE, KEY = "deployment.deleted", "name"
+    name: ResourceName
+
+
+@register
+class PoolDeleted(Event):
+    """The pool is gone; it had no node left (the API refuses to delete one that has)."""
+
+    TYPE, KEY = "pool.deleted", "pool"
+    pool: ResourceName
+
+
 # --- access ----------------------------------------------------------------------
 
 

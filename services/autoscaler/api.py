@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared import events as ev
-from shared.api_errors import path_id
+from shared.api_errors import errors, path_id
 from shared.redact import redact
 from shared.auth import Principal, caller
 from shared.model import (MAX_ENV_BYTES, QUEUE_PATH, RESOURCE_NAME, EnvMap, Float, GpuConstraints, Int, JsonNumber,
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 NAME = RESOURCE_NAME  # the events carry the same constraint
 NamePath = Annotated[str, Path(pattern=NAME, description="lowercase letters, digits and '-'")]
 KnownDeployment = path_id("name", NAME, "deployment")
+KnownPool = path_id("name", NAME, "pool")
 REQUEST = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
@@ -87,6 +88,20 @@ def router(svc: Service, scaler: "Autoscaler") -> APIRouter:
         await svc.caught_up(seq)
         return {"name": name, **body.model_dump(), "seq": seq}
 
+    @r.delete("/v1/pools/{name}", responses=errors(409))
+    async def delete_pool(name: KnownPool, p: Annotated[Principal, Depends(caller)]) -> dict[str, Any]:
+        pool = proj.pools.get(name)
+        if pool is None:
+            raise HTTPException(404, f"no pool {name}")
+        if pool["nodes"] or pool["in_flight"]:
+            raise HTTPException(409, f"pool {name} still has {len(pool['nodes'])} node(s) and {pool['in_flight']} "
+                                     "coming: set its min_nodes and max_nodes to 0 (gpuorch pools set "
+                                     f"{name} --min 0 --max 0), and delete it once its nodes are gone (they go when "
+                                     "idle for its idle_timeout_s)")
+        seq = (await svc.emit(ev.PoolDeleted(pool=name), actor=p.user))[0]
+        await svc.caught_up(seq)
+        return {"name": name, "deleted": True, "seq": seq}
+
     @r.get("/v1/pools")
     async def list_pools() -> list[dict[str, Any]]:
         out = []
@@ -108,6 +123,15 @@ def router(svc: Service, scaler: "Autoscaler") -> APIRouter:
         seq = (await svc.emit(ev.DeploymentDefined(name=name, spec=spec), actor=p.user))[0]
         await svc.caught_up(seq)
         return redact({"name": name, **spec, "seq": seq})
+
+    @r.delete("/v1/deployments/{name}")
+    async def delete_deployment(name: KnownDeployment, p: Annotated[Principal, Depends(caller)]) -> dict[str, Any]:
+        if name not in proj.deployments:
+            raise HTTPException(404, f"no deployment {name}")
+        replicas = len(scaler.replicas_of(name))
+        seq = (await svc.emit(ev.DeploymentDeleted(name=name), actor=p.user))[0]
+        await svc.caught_up(seq)
+        return {"name": name, "deleted": True, "replicas": replicas, "seq": seq}
 
     @r.get("/v1/deployments")
     async def list_deployments() -> list[dict[str, Any]]:

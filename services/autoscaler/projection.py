@@ -14,6 +14,7 @@ class AutoscalerProjection(ClusterProjection):
         super().__init__()
         self.pools: dict[str, dict[str, Any]] = {}  # name -> {"spec": {...}, "provider": name, "nodes": [...], "in_flight": n}
         self.deployments: dict[str, dict[str, Any]] = {}  # name -> {"spec": {...}, "replicas": n}
+        self.deleted_deployments: dict[str, str | None] = {}  # name -> its owner: their replicas are cancelled
         self.idle_since: dict[str, float] = {}  # node -> when it last became empty
 
     def pool_states(self) -> list[PoolState]:
@@ -31,6 +32,14 @@ class AutoscalerProjection(ClusterProjection):
         old = self.pools.get(e.pool, {"nodes": [], "in_flight": 0})
         spec = e.model_dump(mode="json", exclude={"pool", "provider"})
         self.pools[e.pool] = {"spec": spec, "provider": e.provider, "nodes": old["nodes"], "in_flight": old["in_flight"]}
+
+    def on_pool_deleted(self, env: Envelope, e: ev.PoolDeleted) -> None:
+        super().on_pool_deleted(env, e)
+        pool = self.pools.pop(e.pool, None)
+        if pool is None:
+            self.invalid(env, f"unknown pool {e.pool}")
+        elif pool["nodes"]:
+            self.invalid(env, f"pool {e.pool} deleted with nodes {', '.join(pool['nodes'])}")
 
     def on_pool_scale_requested(self, env: Envelope, e: ev.PoolScaleRequested) -> None:
         if e.pool not in self.pools:
@@ -76,6 +85,14 @@ class AutoscalerProjection(ClusterProjection):
 
     def on_deployment_defined(self, env: Envelope, e: ev.DeploymentDefined) -> None:
         self.deployments[e.name] = {"spec": e.spec, "replicas": self.deployments.get(e.name, {}).get("replicas", 0)}
+        self.deleted_deployments.pop(e.name, None)
+
+    def on_deployment_deleted(self, env: Envelope, e: ev.DeploymentDeleted) -> None:
+        dep = self.deployments.pop(e.name, None)
+        if dep is None:
+            self.invalid(env, f"unknown deployment {e.name}")
+            return
+        self.deleted_deployments[e.name] = dep["spec"].get("owner")
 
     def on_deployment_scaled(self, env: Envelope, e: ev.DeploymentScaled) -> None:
         if e.name not in self.deployments:
@@ -84,11 +101,13 @@ class AutoscalerProjection(ClusterProjection):
         self.deployments[e.name]["replicas"] = e.replicas
 
     def state(self) -> dict[str, Any]:
-        return {**super().state(), "pools": self.pools, "deployments": self.deployments, "idle_since": self.idle_since}
+        return {**super().state(), "pools": self.pools, "deployments": self.deployments, "idle_since": self.idle_since,
+                "deleted_deployments": self.deleted_deployments}
 
     def load(self, state: dict[str, Any]) -> None:
         super().load(state)
         self.pools, self.deployments, self.idle_since = state["pools"], state["deployments"], state["idle_since"]
+        self.deleted_deployments = state.get("deleted_deployments", {})  # absent from snapshots before deletions
         for pool in self.pools.values():  # a snapshot from before pool.defined v2 held commands: keep the name only
             if isinstance(pool["provider"], dict):
                 pool["provider"] = pool["provider"]["kind"]

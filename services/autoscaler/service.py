@@ -212,13 +212,20 @@ class Autoscaler:
 
     # --- inference deployments -------------------------------------------------------------
 
-    def replicas_of(self, name: str) -> list[str]:
+    def replicas_of(self, name: str, owner: str | None = None) -> list[str]:
+        """The deployment's unfinished replicas: jobs of its owner that name it (``owner``: a deleted one's). Another
+        user's job naming it in its environment is not one: it would hold replicas back, or be cancelled."""
+        if owner is None:
+            owner = self.proj.deployments[name]["spec"].get("owner")
         return [j.job_id for j in self.proj.jobs.values()
-                if j.spec.env.get("GPUORCH_DEPLOYMENT") == name and j.state in ACTIVE | PENDING]
+                if j.spec.env.get("GPUORCH_DEPLOYMENT") == name and j.owner == owner and j.state in ACTIVE | PENDING]
 
     async def scale_deployments(self, now: float) -> None:
         for name, dep in sorted(self.proj.deployments.items()):
             await self._isolated(name, self.scale_deployment(name, dep, now), self.deployment_failures)
+        for name, owner in sorted(self.proj.deleted_deployments.items()):
+            for job_id in self.replicas_of(name, owner):  # none once cancelled: a tombstone costs one scan
+                await self.emit(ev.JobCancelled(job_id=job_id, reason=f"deployment {name} deleted"))
 
     async def scale_deployment(self, name: str, dep: dict, now: float) -> None:
         spec = self.proj.deployment_spec(name)

@@ -169,3 +169,57 @@ async def _state(client, job_id: str, state: str) -> bool:
 async def _pool_size(client, pool: str, n: int) -> bool:
     p = next(p for p in (await client.get("/v1/pools")).json() if p["name"] == pool)
     return len(p["nodes"]) == n and p["in_flight"] == 0
+
+
+async def test_a_deployment_follows_its_demand_and_deleting_it_stops_its_replicas_and_nothing_else(
+        eventlog: EventLog, agents, tmp_path):
+    """Replicas follow the posted queue length; DELETE /v1/deployments/NAME cancels them (running and waiting), and
+    not a job of another owner that names the deployment in its environment. A pool is deleted only once it has
+    no node. (Neither could be deleted before: a deployment could only be scaled down to one replica.)"""
+    from tests.support import as_user, nodes_up
+
+    async with in_process_stack(eventlog, autoscale_interval_s=0.2, data_dir=tmp_path / "d") as (client, _):
+        agents("n1")  # 4 GPUs: three replicas run, the fourth waits
+        await nodes_up(client, 1)
+        r = await client.put("/v1/deployments/chat", json={
+            "command": ["sleep", "600"], "resources": {"gpus": 1}, "min_replicas": 1, "max_replicas": 5,
+            "target_pending_per_replica": 10, "stabilization_s": 0})
+        assert r.status_code == 200, r.text
+        bob = await as_user(client, "bob")
+        lookalike = await bob.post("/v1/jobs", json={"name": "mine", "command": ["sleep", "600"],
+                                                     "env": {"GPUORCH_DEPLOYMENT": "chat"}})
+        assert lookalike.status_code == 201, lookalike.text
+
+        async def replicas(n: int, state: str | None = None):
+            jobs = [j for j in (await client.get("/v1/jobs", params={"name": "chat", "all": "true"})).json()
+                    if state is None or j["state"] == state]
+            return jobs if len(jobs) == n else None
+
+        await until(lambda: replicas(1, "running"), 30, "the minimum replica")
+        assert (await client.post("/v1/deployments/chat/metrics", json={"pending_requests": 35})).status_code == 200
+        await until(lambda: replicas(4), 30, "four replicas for 35 waiting requests")
+        await until(lambda: replicas(3, "running"), 30, "three running on the node's four GPUs")
+
+        r = await client.delete("/v1/deployments/chat")
+        assert r.status_code == 200 and r.json()["replicas"] == 4, r.text
+        await until(lambda: replicas(4, "cancelled"), 30, "every replica cancelled")
+        assert (await client.get("/v1/deployments")).json() == []
+        assert (await client.get(f"/v1/jobs/{lookalike.json()['id']}")).json()["state"] in ("queued", "running"), \
+            "another owner's job that names the deployment is not a replica"
+        assert (await client.delete("/v1/deployments/chat")).status_code == 404
+        assert (await bob.delete("/v1/deployments/chat")).status_code == 403
+
+        pool = {"profile": "t4-4x", "min_nodes": 1, "max_nodes": 1, "provision_delay_s": 0, "idle_timeout_s": 1}
+        assert (await client.put("/v1/pools/t4", json=pool)).status_code == 200
+        await until(lambda: _pool_nodes(client, "t4", 1), 30, "the pool's minimum node")
+        r = await client.delete("/v1/pools/t4")
+        assert r.status_code == 409 and "set its min_nodes and max_nodes to 0" in r.json()["detail"], r.text
+        assert (await client.put("/v1/pools/t4", json={**pool, "min_nodes": 0, "max_nodes": 0})).status_code == 200
+        await until(lambda: _pool_nodes(client, "t4", 0), 30, "the idle node to go")
+        assert (await client.delete("/v1/pools/t4")).status_code == 200
+        assert (await client.get("/v1/pools")).json() == []
+
+
+async def _pool_nodes(client, pool: str, n: int) -> bool:
+    pools = {p["name"]: p for p in (await client.get("/v1/pools")).json()}
+    return pool in pools and len(pools[pool]["nodes"]) == n and pools[pool]["in_flight"] == 0

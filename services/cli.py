@@ -1109,8 +1109,8 @@ def pools_set(
     current = next((p for p in api("GET", url, "/v1/pools") if p["name"] == name), None)
     body = {k: current[k] for k in POOL_FIELDS} if current else {}
     given = {"profile": profile, "min_nodes": min_nodes, "max_nodes": max_nodes,
-             "idle_timeout_s": _seconds(idle_timeout, "--idle-timeout"),
-             "provision_delay_s": _seconds(provision_delay, "--provision-delay"),
+             "idle_timeout_s": _duration_opt(idle_timeout, "--idle-timeout"),
+             "provision_delay_s": _duration_opt(provision_delay, "--provision-delay"),
              "cost_per_node_hour": cost_per_node_hour, "hourly_cost_cap": cost_cap, "provider": provider}
     body.update({k: v for k, v in given.items() if v is not None})
     if current is None and ("profile" not in body or "max_nodes" not in body):
@@ -1170,8 +1170,8 @@ def deployments_set(
         fail(f"--env takes K=V, got {bad[0]!r}")
     body = {"command": command, "queue": queue, "resources": {"gpus": gpus, "cpu_milli": cpu, "memory_mib": memory},
             "min_replicas": min_replicas, "max_replicas": max_replicas, "target_pending_per_replica": per_replica,
-            "stabilization_s": _seconds(stabilization, "--stabilization"),
-            "scale_to_zero_after_s": _seconds(scale_to_zero_after, "--scale-to-zero-after"),
+            "stabilization_s": _duration_opt(stabilization, "--stabilization"),
+            "scale_to_zero_after_s": _duration_opt(scale_to_zero_after, "--scale-to-zero-after"),
             "env": dict(e.split("=", 1) for e in env or [])}
     res = api("PUT", url, f"/v1/deployments/{name}", json=body)
     if as_json:
@@ -1188,7 +1188,7 @@ def deployments_delete(name: str, url: UrlOpt = DEFAULT_URL) -> None:
     console.print(f"deployment {name} deleted; its {res['replicas']} replica(s) are being cancelled")
 
 
-def _seconds(text: str | None, flag: str) -> float | None:
+def _duration_opt(text: str | None, flag: str) -> float | None:
     from shared.timespec import duration_s
 
     if text is None:

@@ -264,7 +264,7 @@ def test_the_split_gateway_forwards_each_path_to_its_service(tmp_path: Path, sta
     assert stack.api.get(f"/v1/jobs/{job}/logs").json()["data"] == "hi\n"
     both = stack.api.get("/v1/jobs", params=[("state", "succeeded"), ("state", "running")])
     assert [j["id"] for j in both.json()] == [job], "a repeated parameter reaches the service whole"
-    r = stack.api.post(f"/v1/jobs", json={"name": "bad", "queue": "nope", "resources": {"gpus": 1}})
+    r = stack.api.post(f"/v1/jobs", json={"name": "bad", "queue": "nope", "resources": {"gpus": 1}, "command": ["true"]})
     assert r.status_code == 422 and "nope" in r.text, "the scheduler's own refusal, through the gateway"
     assert stack.api.post(f"/v1/nodes/t4-4x-0/cordon", json={"reason": "test"}).status_code == 200
     wait_until(lambda: stack.api.get(f"/v1/nodes/t4-4x-0").json()["state"] == "cordoned", 15, "the cordon")

@@ -40,7 +40,7 @@ class InstanceTaken(RuntimeError):
     """Another live process holds this service's instance name."""
 
 
-def _started(pid: int) -> str:
+def process_start(pid: int) -> str:
     """When a process started (clock ticks since boot, from /proc); '' if it is gone or a zombie."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
@@ -51,7 +51,7 @@ def _started(pid: int) -> str:
 
 def holder_id() -> str:
     """This process: host, pid and start time (a pid can be reused; the pair cannot)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{_started(os.getpid())}"
+    return f"{socket.gethostname()}:{os.getpid()}:{process_start(os.getpid())}"
 
 
 def gone(holder: str) -> bool:
@@ -60,7 +60,7 @@ def gone(holder: str) -> bool:
     if host != socket.gethostname() or not pid.isdigit():
         return False
     if Path("/proc/self/stat").exists():
-        return _started(int(pid)) != started
+        return process_start(int(pid)) != started
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:

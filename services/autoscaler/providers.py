@@ -24,6 +24,7 @@ the entry's ``env``. A command still running after ``timeout_s`` is killed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shared.natsauth import NODE_ID, Credentials, client_env
+from shared.instance import process_start
 from shared.natsd import free_port
 from shared.settings import Settings
 
@@ -148,14 +150,25 @@ class SimulatedProvider:
             "--replicas", str(self.replicas),
             stdout=open(d / "agent.log", "ab"), stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=env,
         )
-        (d / "pid").write_text(str(proc.pid))
+        (d / "pid").write_text(f"{proc.pid} {process_start(proc.pid)}")
         return node_id
+
+    @staticmethod
+    def _agent(pid_file: Path) -> int | None:
+        """The pid in ``pid_file`` if that process is still the agent started then (same pid and start time: a pid
+        is reused once its process is gone, and the one it is given to must never get our signals)."""
+        try:
+            pid, _, started = pid_file.read_text().partition(" ")
+            return int(pid) if started.strip() and process_start(int(pid)) == started.strip() else None
+        except (OSError, ValueError):
+            return None
 
     async def terminate(self, pool: str, node_id: str) -> None:
         pid_file = self.work_dir / node_id / "pid"
-        if not pid_file.exists():
+        pid = self._agent(pid_file)
+        if pid is None:  # gone already (or a pid file of an older release, without the start time: left alone)
+            pid_file.unlink(missing_ok=True)
             return
-        pid = int(pid_file.read_text())
         try:
             os.kill(pid, signal.SIGTERM)
             for _ in range(100):
@@ -168,10 +181,9 @@ class SimulatedProvider:
 
     def stop_all(self) -> None:
         for pid_file in self.work_dir.glob("*/pid"):
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGTERM)
-            except (ProcessLookupError, ValueError):
-                pass
+            if (pid := self._agent(pid_file)) is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
 
 
 class CommandProvider:

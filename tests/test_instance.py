@@ -17,7 +17,7 @@ from services.scheduler.projection import SchedulerProjection
 from shared import events as ev
 from shared.eventlog import EventLog
 from shared.events import Envelope
-from shared.instance import INSTANCE_BUCKET, INSTANCE_TTL_S, InstanceTaken, _started
+from shared.instance import INSTANCE_BUCKET, INSTANCE_TTL_S, InstanceTaken, process_start
 from shared.natsd import free_port
 from shared.runtime import Service
 from tests.support import eventually, running, wait_http
@@ -51,7 +51,7 @@ async def test_replicas_with_their_own_names_each_see_every_event(eventlog: Even
 
 async def test_a_name_whose_holder_died_on_this_host_is_taken_over_at_once(eventlog: EventLog):
     dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    holder = f"{os.uname().nodename}:{dead.pid}:{_started(dead.pid)}"
+    holder = f"{os.uname().nodename}:{dead.pid}:{process_start(dead.pid)}"
     dead.kill()
     dead.wait()
     kv = await eventlog.kv(INSTANCE_BUCKET, ttl=INSTANCE_TTL_S)

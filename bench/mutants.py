@@ -117,6 +117,9 @@ RULES: dict[str, Rule] = {
         "a deployment's replicas are its owner's jobs that name it: another user's job naming it neither holds "
         "replicas back nor is cancelled; deleting a deployment cancels its replicas",
         ("tests/autoscaler/test_autoscaler_stack.py",)),
+    "a lost pool node is replaced": Rule(
+        "a pool node lost for pool_lost_node_s and holding no work is terminated, so its pool buys another",
+        ("tests/autoscaler/test_autoscaler_stack.py",)),
     "guarantees come back whole gangs at a time": Rule(
         "a queue's floor is its guarantee capped by its entitlement, checked for it and for each parent the owed "
         "queue is not under: a gang that takes a borrower below its fair share is still reclaimed",
@@ -461,6 +464,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "== name and j.owner == owner and j.state in", "== name and j.state in"),
     M("a-deleted-deployment-keeps-its-replicas", "a deployment's replicas are its own", "services/autoscaler/service.py",
       "            for job_id in self.replicas_of(name, owner):", "            for job_id in []:"),
+    M("a-lost-pool-node-kept-for-ever", "a lost pool node is replaced", "services/autoscaler/scaling.py",
+      "        if gone:\n            out[pool.spec.name] = sorted(gone)", "        if False:\n            pass"),
     M("reclaim-floor-is-the-entitlement", "guarantees come back whole gangs at a time", "services/scheduler/decide.py",
       "floors = {q: min(queues[q].guaranteed.gpus if q in queues else 0.0, e) for q, e in",
       "floors = {q: e for q, e in"),

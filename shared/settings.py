@@ -47,6 +47,7 @@ class Settings(BaseSettings):
     secret_env_pattern: str = r"(?i)(secret|token|passw(or)?d|api_?key|credential|private_?key|access_?key)"
     autoscale_interval_s: float = 2.0
     stop_pool_nodes_on_exit: bool = True  # simulated pool nodes stop with the stack
+    pool_lost_node_s: float = 300.0  # a pool node lost this long (and holding no work) is terminated and replaced
     instance: str | None = None  # replica name (durable consumer suffix); default: the host name
     nodes: str = "dgx-h100:2,l4-8x:1,t4-4x:1"  # simulated agents `gpuorch up` starts: profile:count,...
     providers_file: Path | None = None  # pool providers an admin configured (YAML); None: <data_dir>/providers.yaml if it exists

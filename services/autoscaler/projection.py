@@ -15,6 +15,7 @@ class AutoscalerProjection(ClusterProjection):
         self.pools: dict[str, dict[str, Any]] = {}  # name -> {"spec": {...}, "provider": name, "nodes": [...], "in_flight": n}
         self.deployments: dict[str, dict[str, Any]] = {}  # name -> {"spec": {...}, "replicas": n}
         self.deleted_deployments: dict[str, str | None] = {}  # name -> its owner: their replicas are cancelled
+        self.lost_since: dict[str, float] = {}  # node -> when it was found lost (until it registers again)
         self.idle_since: dict[str, float] = {}  # node -> when it last became empty
 
     def pool_states(self) -> list[PoolState]:
@@ -58,6 +59,7 @@ class AutoscalerProjection(ClusterProjection):
 
     def on_pool_node_terminated(self, env: Envelope, e: ev.PoolNodeTerminated) -> None:
         super().on_pool_node_terminated(env, e)
+        self.lost_since.pop(e.node_id, None)
         nodes = self.pools.get(e.pool, {}).get("nodes", [])
         if e.node_id in nodes:
             nodes.remove(e.node_id)
@@ -65,8 +67,14 @@ class AutoscalerProjection(ClusterProjection):
 
     # --- idleness ------------------------------------------------------------------------
 
+    def on_node_lost(self, env: Envelope, e: ev.NodeLost) -> None:
+        super().on_node_lost(env, e)
+        if e.node_id in self.nodes:
+            self.lost_since.setdefault(e.node_id, env.timestamp)
+
     def on_node_registered(self, env: Envelope, e: ev.NodeRegistered) -> None:
         super().on_node_registered(env, e)
+        self.lost_since.pop(e.node_id, None)
         node = self.nodes[e.node_id]
         if not node.gpu_alloc and not node.cpu_alloc:
             self.idle_since.setdefault(e.node_id, env.timestamp)
@@ -102,12 +110,13 @@ class AutoscalerProjection(ClusterProjection):
 
     def state(self) -> dict[str, Any]:
         return {**super().state(), "pools": self.pools, "deployments": self.deployments, "idle_since": self.idle_since,
-                "deleted_deployments": self.deleted_deployments}
+                "deleted_deployments": self.deleted_deployments, "lost_since": self.lost_since}
 
     def load(self, state: dict[str, Any]) -> None:
         super().load(state)
         self.pools, self.deployments, self.idle_since = state["pools"], state["deployments"], state["idle_since"]
-        self.deleted_deployments = state.get("deleted_deployments", {})  # absent from snapshots before deletions
+        self.deleted_deployments = state.get("deleted_deployments", {})  # absent from older snapshots
+        self.lost_since = state.get("lost_since", {})
         for pool in self.pools.values():  # a snapshot from before pool.defined v2 held commands: keep the name only
             if isinstance(pool["provider"], dict):
                 pool["provider"] = pool["provider"]["kind"]

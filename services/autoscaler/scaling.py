@@ -114,6 +114,24 @@ def scale_down(
     return out
 
 
+def lost_to_replace(
+    pools: Sequence[PoolState],
+    busy: Mapping[str, bool],
+    lost_since: Mapping[str, float],
+    now: float,
+    after_s: float,
+) -> dict[str, list[str]]:
+    """Pool nodes lost (silent) for ``after_s`` and holding no work: to terminate, min or not, so that they stop
+    counting toward their pool's size and it buys what it still needs (a lost node would hold a pool at its min
+    for ever)."""
+    out: dict[str, list[str]] = {}
+    for pool in pools:
+        gone = [n for n in pool.nodes if n in lost_since and now - lost_since[n] >= after_s and not busy.get(n, False)]
+        if gone:
+            out[pool.spec.name] = sorted(gone)
+    return out
+
+
 @dataclass(frozen=True)
 class DeploymentSpec:
     name: str

@@ -22,7 +22,7 @@ from services.autoscaler.api import router
 from services.autoscaler.projection import AutoscalerProjection
 from services.autoscaler.providers import (SIMULATED, CommandProvider, ProviderError, ProvidersFileError,
                                           SimulatedProvider, load_providers, providers_path)
-from services.autoscaler.scaling import ReplicaHistory, desired_replicas, scale_down, scale_up
+from services.autoscaler.scaling import ReplicaHistory, desired_replicas, lost_to_replace, scale_down, scale_up
 from services.scheduler.snapshot import node_snap, snapshot_from_cluster
 from shared import events as ev
 from shared.cluster import ACTIVE, PENDING, NodeState
@@ -146,6 +146,10 @@ class Autoscaler:
         for pool, nodes in scale_down(pools, busy, proj.idle_since, now).items():
             for node_id in nodes:
                 await self._isolated(pool, self.shrink(pool, node_id))
+        lost = lost_to_replace(pools, busy, proj.lost_since, now, self.settings.pool_lost_node_s)
+        for pool, nodes in lost.items():
+            for node_id in nodes:
+                await self._isolated(pool, self.shrink(pool, node_id, f"lost for {self.settings.pool_lost_node_s:g} s"))
 
     async def _isolated(self, name: str, action: Awaitable[None], failures: dict[str, str] | None = None) -> None:
         """One pool's (or deployment's) failure is its own: recorded (GET /v1/pools shows a pool's), logged once,
@@ -196,9 +200,9 @@ class Autoscaler:
         await self.emit(ev.PoolNodeProvisioned(pool=pool, node_id=real_id), f"{real_id}-provisioned")
         log.info("event=node_provisioned pool=%s node=%s", pool, real_id)
 
-    async def shrink(self, pool: str, node_id: str) -> None:
+    async def shrink(self, pool: str, node_id: str, why: str = "idle past the pool's timeout") -> None:
         """Cordon, drain (it is idle: nothing to move), terminate."""
-        await self.emit(ev.NodeCordoned(node_id=node_id, reason="idle past the pool's timeout"))
+        await self.emit(ev.NodeCordoned(node_id=node_id, reason=why))
         await self.emit(ev.NodeDrainRequested(node_id=node_id, grace_s=0, reason="scale down"))
         await self.emit(ev.NodeDrained(node_id=node_id))
         try:

@@ -223,3 +223,34 @@ async def test_a_deployment_follows_its_demand_and_deleting_it_stops_its_replica
 async def _pool_nodes(client, pool: str, n: int) -> bool:
     pools = {p["name"]: p for p in (await client.get("/v1/pools")).json()}
     return pool in pools and len(pools[pool]["nodes"]) == n and pools[pool]["in_flight"] == 0
+
+
+async def test_a_pool_node_lost_for_long_is_terminated_and_replaced(eventlog: EventLog, tmp_path):
+    """A pool at its min whose node dies (its agent killed: no heartbeat) used to keep the lost node for ever,
+    counted toward its min: it never bought another. Now the node is terminated after pool_lost_node_s and
+    the pool buys a replacement."""
+    import os
+    import signal
+
+    async with in_process_stack(eventlog, autoscale_interval_s=0.2, heartbeat_timeout_s=1.5, pool_lost_node_s=1,
+                                data_dir=tmp_path / "d") as (client, _):
+        r = await client.put("/v1/pools/t4", json={"profile": "t4-4x", "min_nodes": 1, "max_nodes": 2})
+        assert r.status_code == 200, r.text
+
+        async def pool_nodes() -> list[str] | None:
+            nodes = {n["id"]: n for n in (await client.get("/v1/nodes")).json()}
+            pool = (await client.get("/v1/pools")).json()[0]["nodes"]
+            return pool if pool and all(nodes.get(n, {}).get("state") == "idle" for n in pool) else None
+
+        [first] = await until(pool_nodes, 30, "the pool's minimum node")
+        pid = int((tmp_path / "d" / "pools" / first / "pid").read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        replaced = await until(lambda: _replaced(pool_nodes, first), 60, "a new node in place of the lost one")
+        assert len(replaced) == 1 and replaced != [first]
+        terminated = [e["data"]["node_id"] for e in await events_of(client, "pool.node_terminated")]
+        assert terminated == [first]
+
+
+async def _replaced(pool_nodes, first: str) -> list[str] | None:
+    nodes = await pool_nodes()
+    return nodes if nodes and first not in nodes else None

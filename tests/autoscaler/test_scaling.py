@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from services.autoscaler.scaling import (DeploymentSpec, PoolSpec, PoolState, ReplicaHistory, desired_replicas,
-                                         scale_down, scale_up)
+                                         lost_to_replace, scale_down, scale_up)
 from shared.profiles import build
 from tests.builders import cluster, job, node
 
@@ -40,6 +40,12 @@ def test_a_whole_gang_goes_to_one_pool_that_can_hold_it():
     snap = pending_snapshot(job("h").gpus(8).tasks(2).models("H100-80GB").build())
     got = scale_up(snap, [pool("l4", "l4-8x"), pool("h100", "dgx-h100")], snap.pending, build)
     assert got == {"h100": 2}
+
+
+def test_lost_pool_nodes_go_after_the_timeout_even_at_min_but_never_with_work():
+    p = PoolState(PoolSpec(name="p", profile="t4-4x", min_nodes=3, max_nodes=5), nodes=("a", "b", "c"))
+    got = lost_to_replace([p], busy={"b": True}, lost_since={"a": 0, "b": 0, "c": 95}, now=100, after_s=10)
+    assert got == {"p": ["a"]}, "b still holds work, c is lost for 5 s only; min 3 keeps none of them"
 
 
 def test_idle_nodes_past_the_timeout_go_never_below_min_never_busy():

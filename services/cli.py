@@ -95,6 +95,8 @@ def agent(
     address: Annotated[str, typer.Option(help="address gang peers use to reach this node")] = "127.0.0.1",
     work_dir: Annotated[Path, typer.Option(help="task directories and logs")] = Path(".gpuorch-agent"),
     pool: Annotated[str | None, typer.Option(help="node pool this node belongs to")] = None,
+    mig: Annotated[list[str] | None, typer.Option(help="simulated nodes: MIG on a GPU, as GPU=PROFILE[*N][,PROFILE...] "
+                                                       "(repeatable), e.g. 7=1g.10gb*7")] = None,
     kill_tasks_on_exit: Annotated[bool, typer.Option(help="SIGKILL every task when the agent stops (simulated nodes)")] = False,
     user_map: Annotated[Path | None, typer.Option(help="YAML: which local account each job owner's tasks run as "
                                                        "(a root agent; default: the same name, else nobody)")] = None,
@@ -109,7 +111,7 @@ def agent(
     from services.inventory.runas import UserMapError, load_user_map
     from services.inventory.discovery import NvmlUnavailable, discover_nvml
     from services.inventory.nvml_fake import FakeNvml
-    from shared.profiles import UnknownProfile, build
+    from shared.profiles import UnknownProfile, build, parse_mig
 
     try:
         users = load_user_map(user_map) if user_map else None
@@ -120,8 +122,10 @@ def agent(
         fail("--labels takes k=v")
     label_map = dict(kv.split("=", 1) for kv in pairs)
     try:
+        if mig and backend != "simulated":
+            fail("--mig lays out simulated GPUs; a real GPU's MIG layout is discovered (nvidia-smi mig sets it)")
         if backend == "simulated":
-            node = build(profile, node_id, labels=label_map, rack=rack, zone=zone)
+            node = build(profile, node_id, labels=label_map, rack=rack, zone=zone, mig=parse_mig(mig or []))
             nvml: Any = FakeNvml(node)
             nvml.nvmlInit()
         elif backend == "nvml":
@@ -132,7 +136,7 @@ def agent(
             nvml = pynvml
         else:
             fail(f"--backend is nvml or simulated, not {backend!r}")
-    except UnknownProfile as e:
+    except (UnknownProfile, ValueError) as e:
         fail(str(e))
     except NvmlUnavailable as e:
         fail(f"{e} (use --backend simulated on a machine without GPUs)")
@@ -631,9 +635,10 @@ def jobs(
         table.add_column(col, overflow="fold" if col == "REASON" else "ellipsis", no_wrap=col != "REASON")
     for j in rows:
         nodes = ",".join(sorted({p["node"] for p in j["placement"]})) or "-"
-        g = j["gpus_per_task"]
+        g, mig = j["gpus_per_task"], (j.get("spec") or {}).get("gpu", {}).get("mig")
         code = exit_code(j)
-        table.add_row(j["id"], j["name"], j["queue"], j["state"], f"{j['tasks']}x{int(g) if g == int(g) else g}", nodes,
+        per_task = f"{int(g) if g == int(g) else g}" if not mig else (f"{int(g)}x{mig}" if g > 1 else mig)
+        table.add_row(j["id"], j["name"], j["queue"], j["state"], f"{j['tasks']}x{per_task}", nodes,
                       age(j["submitted_at"], now), "-" if code is None else _exit_text(code), j["reason"] or "")
     console.print(table)
     if more:  # say so, or 200 of 20,000 waiting jobs read as all of them
@@ -825,15 +830,19 @@ def nodes(url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
         print_json(rows)
         return
     table = Table(box=None, header_style="bold")
-    for col in ("NODE", "STATE", "MODEL", "GPUS(free/total)", "NVLINK", "RACK", "LABELS", "HEALTH"):
+    for col in ("NODE", "STATE", "MODEL", "GPUS(free/total)", "MIG(free/total)", "NVLINK", "RACK", "LABELS", "HEALTH"):
         table.add_column(col)
     for n in rows:
-        gpus = n["gpus"]
-        models = ",".join(sorted({g["model"] for g in gpus})) or "-"
+        gpus = [g for g in n["gpus"] if not g.get("mig_enabled")]  # a MIG GPU is placed by its slices only
+        slices = [(m, g) for g in n["gpus"] if g.get("mig_enabled") for m in g.get("mig_slices", [])]
+        models = ",".join(sorted({g["model"] for g in n["gpus"]})) or "-"
         free = sum(1000 - g["allocated_milli"] for g in gpus if g["health"] == "healthy") / 1000
-        sick = [f"{g['index']}:{g['health_reason'] or 'unhealthy'}" for g in gpus if g["health"] != "healthy"]
-        table.add_row(n["id"], n["state"], models, f"{free:g}/{len(gpus)}", str(len(n["nvlink_domains"])), n["rack"] or "-",
-                      ",".join(f"{k}={v}" for k, v in n["labels"].items()) or "-", "; ".join(sick) or "ok")
+        free_slices = sum(1 for m, g in slices if not m.get("allocated") and g["health"] == "healthy")
+        sick = [f"{g['index']}:{g['health_reason'] or 'unhealthy'}" for g in n["gpus"] if g["health"] != "healthy"]
+        table.add_row(n["id"], n["state"], models, f"{free:g}/{len(gpus)}",
+                      f"{free_slices}/{len(slices)}" if slices else "-", str(len(n["nvlink_domains"])),
+                      n["rack"] or "-", ",".join(f"{k}={v}" for k, v in n["labels"].items()) or "-",
+                      "; ".join(sick) or "ok")
     console.print(table)
 
 

@@ -179,22 +179,33 @@ async def supervise_nats(server: NatsServer, restarted: Callable[[NatsServer], N
 
 
 def parse_nodes(spec: str) -> list[tuple[str, int]]:
-    """`dgx-h100:2,l4-8x:1` -> [("dgx-h100", 2), ("l4-8x", 1)]; raises SystemExit with the reason."""
-    from shared.profiles import PROFILES
+    """`dgx-h100:2,l4-8x:1,dgx-h100+mig:1` -> [("dgx-h100", 2), ("l4-8x", 1), ("dgx-h100+mig", 1)]; raises
+    SystemExit with the reason. ``+mig``: the profile with its last GPU split into seven MIG slices."""
+    from shared.profiles import MIG_SUFFIX, PROFILES, default_mig
 
     out = []
     for item in filter(None, (x.strip() for x in spec.split(","))):
         profile, _, count = item.partition(":")
-        if profile not in PROFILES:
-            raise SystemExit(f"error: unknown node profile {profile!r} in --nodes; known: {', '.join(PROFILES)}")
+        if profile.removesuffix(MIG_SUFFIX) not in PROFILES:
+            raise SystemExit(f"error: unknown node profile {profile!r} in --nodes; known: {', '.join(PROFILES)} "
+                             f"(with MIG: dgx-h100{MIG_SUFFIX}, ...)")
+        if profile.endswith(MIG_SUFFIX):
+            try:
+                default_mig(profile.removesuffix(MIG_SUFFIX))
+            except ValueError as e:
+                raise SystemExit(f"error: --nodes {item}: {e}") from None
         if count and not count.isdigit():
             raise SystemExit(f"error: --nodes takes profile:count, got {item!r}")
         out.append((profile, int(count or 1)))
     return out
 
 
+def node_id_of(profile: str, k: int) -> str:
+    return f"{profile.replace('+', '-')}-{k}"  # dgx-h100+mig -> dgx-h100-mig-0: node ids take no '+'
+
+
 def node_ids(nodes: list[tuple[str, int]]) -> list[str]:
-    return [f"{profile}-{k}" for profile, count in nodes for k in range(count)]
+    return [node_id_of(profile, k) for profile, count in nodes for k in range(count)]
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
@@ -214,10 +225,14 @@ def spawn_agent(settings: Settings, nats_url: str, profile: str, node_id: str, i
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = child_env(client_env(creds.agent(node_id)) if creds else {})
-    cmd = [sys.executable, "-m", "services.cli", "agent", "--backend", "simulated", "--profile", profile,
+    from shared.profiles import MIG_SUFFIX, default_mig
+
+    base = profile.removesuffix(MIG_SUFFIX)
+    mig = [f"{gpu}={','.join(names)}" for gpu, names in default_mig(base).items()] if base != profile else []
+    cmd = [sys.executable, "-m", "services.cli", "agent", "--backend", "simulated", "--profile", base,
            "--node-id", node_id, "--nats", nats_url, "--port", str(free_port()), "--host", settings.host,
            "--work-dir", str(agent_work_dir(settings, node_id)), "--rack", f"r{index // 4}", "--zone", "z0",
-           "--kill-tasks-on-exit", "--replicas", str(settings.replicas)]
+           "--kill-tasks-on-exit", "--replicas", str(settings.replicas), *(a for m in mig for a in ("--mig", m))]
     with open(logs / f"agent-{node_id}.log", "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     return Child(proc.pid, proc)
@@ -236,7 +251,7 @@ def agent_node(pid: int, settings: Settings) -> str | None:
 
 def wanted_agents(nodes: list[tuple[str, int]]) -> dict[str, tuple[str, int]]:
     """node -> (profile, index: its rack is r<index // 4>)."""
-    pairs = [(profile, f"{profile}-{k}") for profile, count in nodes for k in range(count)]
+    pairs = [(profile, node_id_of(profile, k)) for profile, count in nodes for k in range(count)]
     return {node_id: (profile, i) for i, (profile, node_id) in enumerate(pairs)}
 
 

@@ -203,6 +203,35 @@ def build(
     )
 
 
+MIG_SUFFIX = "+mig"  # `gpuorch up --nodes dgx-h100+mig:1`: the profile with its last GPU as seven smallest slices
+
+
+def parse_mig(items: Sequence[str]) -> dict[int, list[str]]:
+    """``["7=1g.10gb*7", "0=3g.40gb,2g.20gb"]`` -> {GPU index: [MIG profile, ...]} (``build`` checks the names);
+    ValueError saying what is wrong."""
+    out: dict[int, list[str]] = {}
+    for item in items:
+        gpu, sep, layout = item.partition("=")
+        names = []
+        for part in filter(None, (p.strip() for p in layout.split(","))):
+            name, star, n = part.partition("*")
+            if star and not (n.isdigit() and 0 < int(n) <= MIG_COMPUTE_SLICES):
+                raise ValueError(f"--mig {item!r}: {part!r} repeats a profile 1 to {MIG_COMPUTE_SLICES} times (*N)")
+            names += [name.strip()] * (int(n) if star else 1)
+        if not sep or not gpu.strip().isdigit() or not names:
+            raise ValueError(f"--mig takes GPU=PROFILE[*N][,PROFILE...], e.g. 7=1g.10gb*7; got {item!r}")
+        out[int(gpu)] = names
+    return out
+
+
+def default_mig(profile: str) -> dict[int, list[str]]:
+    """The ``+mig`` layout of a profile: its last GPU split into seven of its smallest MIG slices."""
+    spec = PROFILES[profile]
+    if not spec.gpu.mig_profiles:
+        raise ValueError(f"{profile} has {spec.gpu.model} GPUs, which have no MIG")
+    return {len(spec.bus_ids) - 1: [spec.gpu.mig_profiles[0].name] * MIG_COMPUTE_SLICES}
+
+
 def _mig_slices(gpu: GpuSpec, node_id: str, index: int, names: Sequence[str]) -> tuple[MigSlice, ...]:
     profiles = [gpu.mig_profile(name) for name in names]
     if sum(p.slices for p in profiles) > MIG_COMPUTE_SLICES:

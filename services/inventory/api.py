@@ -42,6 +42,7 @@ def node_view(node: NodeState) -> dict[str, Any]:
         "gpus": [
             {
                 **g.model_dump(mode="json"),
+                "mig_slices": [{**m.model_dump(mode="json"), "allocated": m.uuid in node.gpu_alloc} for m in g.mig_slices],
                 "allocated_milli": node.gpu_alloc.get(g.uuid, 0),
                 "health": "unhealthy" if g.uuid in node.unhealthy or not g.healthy else "healthy",
                 "health_reason": node.unhealthy.get(g.uuid, g.error or ""),

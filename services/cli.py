@@ -1539,8 +1539,27 @@ def _register_simulate() -> None:
 _register_simulate()
 
 
+def token_first(argv: list[str]) -> list[str]:
+    """``--token T`` is the whole CLI's option: taken from wherever it is written (`gpuorch jobs --token T`, as
+    kubectl takes it) to the front, where typer reads it; what follows ``--`` (a job's command) is left alone."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    head, moved = [], []
+    i = 0
+    while i < end:
+        if argv[i] == "--token" and i + 1 < end:
+            moved += argv[i:i + 2]
+            i += 2
+            continue
+        if argv[i].startswith("--token="):
+            moved.append(argv[i])
+        else:
+            head.append(argv[i])
+        i += 1
+    return moved + head + argv[end:]
+
+
 def main() -> None:
-    app()
+    app(args=token_first(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -181,3 +181,11 @@ async def test_submit_of_a_job_file_by_its_name_alone_submits_the_file_as_sbatch
         assert code == 0 and json.loads(out[out.index("{"):])["name"] == "one", out
         code, out = await gpuorch("submit", "--json", "--", "job.sbatch", "--lr", "3")
         assert code == 0 and json.loads(out[out.index("{"):])["spec"]["command"] == ["job.sbatch", "--lr", "3"], out
+
+
+def test_the_token_option_is_read_wherever_it_is_written_but_never_from_a_jobs_command():
+    """`gpuorch jobs --token T` answered "No such option: --token": typer reads it before the command only."""
+    assert cli.token_first(["jobs", "--token", "T", "-a"]) == ["--token", "T", "jobs", "-a"]
+    assert cli.token_first(["jobs", "--token=T"]) == ["--token=T", "jobs"]
+    assert cli.token_first(["--token", "T", "jobs"]) == ["--token", "T", "jobs"]
+    assert cli.token_first(["submit", "--", "app", "--token", "X"]) == ["submit", "--", "app", "--token", "X"]

@@ -321,7 +321,21 @@ def print_json(data: Any) -> None:
 # --- jobs ------------------------------------------------------------------------------
 
 
-@app.command()
+class _SubmitCommand(typer.core.TyperCommand):
+    """`gpuorch submit python train.py --lr 3` reads --lr as gpuorch's own option: the refusal says where it goes."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except Exception as e:  # typer's own click raises it (not the click package's): known by its name
+            if type(e).__name__ == "NoSuchOption":
+                e.message += (" (a command's own options go after --: gpuorch submit [OPTIONS] -- python train.py "
+                              "--lr 3)")
+                e.possibilities = None
+            raise
+
+
+@app.command(cls=_SubmitCommand)
 def submit(
     command: Annotated[list[str] | None, typer.Argument(help="the command each task runs")] = None,
     file: Annotated[Path | None, typer.Option("-f", "--file", help="a job as YAML/JSON, an sbatch script, or "

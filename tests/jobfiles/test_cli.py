@@ -189,3 +189,9 @@ def test_the_token_option_is_read_wherever_it_is_written_but_never_from_a_jobs_c
     assert cli.token_first(["jobs", "--token=T"]) == ["--token=T", "jobs"]
     assert cli.token_first(["--token", "T", "jobs"]) == ["--token", "T", "jobs"]
     assert cli.token_first(["submit", "--", "app", "--token", "X"]) == ["submit", "--", "app", "--token", "X"]
+
+
+async def test_a_commands_own_option_before_the_double_dash_is_refused_saying_where_it_goes():
+    code, out = await gpuorch("submit", "python", "train.py", "--lr", "3")
+    said = " ".join(out.replace("│", " ").split())
+    assert code == 2 and "No such option: --lr (a command's own options go after --" in said, out

@@ -11,7 +11,7 @@ import shlex
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -1097,17 +1097,11 @@ app.add_typer(deployments_app, name="deployments")
 @pools_app.callback(invoke_without_command=True)
 def pools(ctx: typer.Context, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
     """List pools: profile, nodes (min/now/max), coming, cost per hour, provider and its last error."""
-    if ctx.invoked_subcommand is not None:
-        return
-    rows = api("GET", url, "/v1/pools")
-    if as_json:
-        print_json(rows)
-        return
-    _table(("POOL", "PROFILE", "NODES(min/now/max)", "COMING", "IDLE-TIMEOUT", "COST/H", "PROVIDER"),
-           [(p["name"], p["profile"], f"{p['min_nodes']}/{len(p['nodes'])}/{p['max_nodes']}", str(p["in_flight"]),
-             f"{p['idle_timeout_s']:g}s", f"{p['cost_per_hour']:g}",
-             p["provider"] + (f" (error: {p['provider_error']})" if p.get("provider_error") else ""))
-            for p in rows])
+    _listing(ctx, url, "/v1/pools", as_json,
+             ("POOL", "PROFILE", "NODES(min/now/max)", "COMING", "IDLE-TIMEOUT", "COST/H", "PROVIDER"),
+             lambda p: (p["name"], p["profile"], f"{p['min_nodes']}/{len(p['nodes'])}/{p['max_nodes']}",
+                        str(p["in_flight"]), f"{p['idle_timeout_s']:g}s", f"{p['cost_per_hour']:g}",
+                        p["provider"] + (f" (error: {p['provider_error']})" if p.get("provider_error") else "")))
 
 
 POOL_FIELDS = ("profile", "min_nodes", "max_nodes", "provision_delay_s", "idle_timeout_s", "cost_per_node_hour",
@@ -1156,17 +1150,12 @@ def pools_delete(name: str, url: UrlOpt = DEFAULT_URL) -> None:
 @deployments_app.callback(invoke_without_command=True)
 def deployments(ctx: typer.Context, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
     """List deployments: replicas (min/live/max), waiting requests per replica target, queue, command."""
-    if ctx.invoked_subcommand is not None:
-        return
-    rows = api("GET", url, "/v1/deployments")
-    if as_json:
-        print_json(rows)
-        return
-    _table(("DEPLOYMENT", "REPLICAS(min/live/max)", "PENDING", "PER-REPLICA", "QUEUE", "GPUS", "COMMAND"),
-           [(d["name"], f"{d['spec']['min_replicas']}/{d['live_replicas']}/{d['spec']['max_replicas']}",
-             f"{d['pending_requests']:g}", f"{d['spec']['target_pending_per_replica']:g}", d["spec"]["job"]["queue"],
-             f"{d['spec']['job']['resources']['gpus']:g}", shlex.join(d["spec"]["job"]["command"])[:60])
-            for d in rows])
+    _listing(ctx, url, "/v1/deployments", as_json,
+             ("DEPLOYMENT", "REPLICAS(min/live/max)", "PENDING", "PER-REPLICA", "QUEUE", "GPUS", "COMMAND"),
+             lambda d: (d["name"], f"{d['spec']['min_replicas']}/{d['live_replicas']}/{d['spec']['max_replicas']}",
+                        f"{d['pending_requests']:g}", f"{d['spec']['target_pending_per_replica']:g}",
+                        d["spec"]["job"]["queue"], f"{d['spec']['job']['resources']['gpus']:g}",
+                        shlex.join(d["spec"]["job"]["command"])[:60]))
 
 
 @deployments_app.command("set")
@@ -1222,14 +1211,22 @@ def _duration_opt(text: str | None, flag: str) -> float | None:
     return seconds
 
 
-def _table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+def _listing(ctx: typer.Context, url: str, path: str, as_json: bool, columns: tuple[str, ...],
+             row: Callable[[dict[str, Any]], tuple[str, ...]]) -> None:
+    """A command group's own listing (``gpuorch pools``): GET ``path``, as JSON or one table row per object."""
     from rich.table import Table
 
+    if ctx.invoked_subcommand is not None:
+        return
+    rows = api("GET", url, path)
+    if as_json:
+        print_json(rows)
+        return
     table = Table(box=None, header_style="bold")
     for col in columns:
         table.add_column(col)
-    for row in rows:
-        table.add_row(*row)
+    for r in rows:
+        table.add_row(*row(r))
     console.print(table)
 
 

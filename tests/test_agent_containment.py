@@ -19,6 +19,7 @@ import pytest
 from services.inventory.agent import Agent
 from services.inventory.work import WorkOrder
 from services.inventory.runas import RunAs, RunAsRefused, UserMap, UserMapError, load_user_map, resolve
+from services.inventory.taskenv import SHIMS
 from services.inventory.taskdir import (ExitRecord, LogNotFound, StateUnreadable, TaskRecord, append_record, has_record,
                                         make_task_dir, make_workspace, read_exit, read_record, read_task_log)
 from shared import events as ev
@@ -105,7 +106,7 @@ async def test_a_task_gets_its_jobs_environment_and_nothing_of_its_agents(eventl
         assert env["RANK"] == "0" and env["GPUORCH_JOB_ID"] == job_id, "the documented variables win over the job's"
         d = task_dir(agent, job_id)
         assert (env["HOME"], env["TMPDIR"], env["LANG"]) == (str(d / "work"), str(d / "work" / "tmp"), "C.UTF-8")
-        assert env["PATH"].split(":")[0] == os.path.dirname(sys.executable)
+        assert env["PATH"].split(":")[:2] == [SHIMS, os.path.dirname(sys.executable)], "gpuorch's srun, then python3"
         expected_user = "nobody" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
         assert env["USER"] == env["LOGNAME"] == expected_user
         task = read_record(d).pid

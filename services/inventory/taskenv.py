@@ -20,14 +20,15 @@ def master_port(job_id: str, attempt: int) -> int:
 
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SHIMS = str(Path(__file__).with_name("bin"))  # gpuorch's srun: a Slurm script's srun lines run in their task
 
 
 def base_env(home: Path, user: str, python_dir: str) -> dict[str, str]:
-    """What any Unix process expects: PATH (the agent's interpreter directory first, so ``python3`` resolves
-    as it does for the agent wherever the task's account may run it, then the system's), HOME and TMPDIR in
-    the task's own work directory, USER/LOGNAME of the account it runs as, a UTF-8 locale."""
-    return {"PATH": f"{python_dir}:{SAFE_PATH}", "HOME": str(home), "TMPDIR": str(home / "tmp"), "USER": user,
-            "LOGNAME": user, "LANG": "C.UTF-8"}
+    """What any Unix process expects: PATH (gpuorch's shims, then the agent's interpreter directory, so
+    ``python3`` resolves as it does for the agent wherever the task's account may run it, then the system's),
+    HOME and TMPDIR in the task's own work directory, USER/LOGNAME of the account it runs as, a UTF-8 locale."""
+    return {"PATH": f"{SHIMS}:{python_dir}:{SAFE_PATH}", "HOME": str(home), "TMPDIR": str(home / "tmp"),
+            "USER": user, "LOGNAME": user, "LANG": "C.UTF-8"}
 
 
 @dataclass(frozen=True)

@@ -369,9 +369,12 @@ def from_sbatch(text: str, filename: str = "sbatch", ctx: Context = Context()) -
     if shape.tasks > 1:
         notes.add(f"every one of the {shape.tasks} tasks runs the script (sbatch runs it once, and srun starts the "
                   "tasks): RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR tell them apart")
-    if re.search(r"^\s*(srun|mpirun|mpiexec)\b", text, re.MULTILINE):
-        notes.add("the script starts tasks with srun/mpirun, which gpuorch does not provide: run the program "
-                  "directly, as each task runs the script")
+    if re.search(r"^\s*srun\b", text, re.MULTILINE):
+        notes.add("the script's srun lines run their program once in each task, where the task is (gpuorch's srun: "
+                  "its options were the job's shape, which is placed already)")
+    if re.search(r"^\s*(mpirun|mpiexec)\b", text, re.MULTILINE):
+        notes.add("the script starts tasks with mpirun, which gpuorch does not provide: run the program directly, "
+                  "as each task runs the script")
     logs = {k: opt[k].value or "" for k in ("output", "error") if k in opt}
     if logs:
         notes.add(f"#SBATCH {', '.join(opt[k].written for k in logs)}: recorded, not written: read the output "

@@ -130,19 +130,20 @@ def router(svc: Service, scaler: "Autoscaler") -> APIRouter:
             raise HTTPException(404, f"no deployment {name}")
         replicas = len(scaler.replicas_of(name))
         seq = (await svc.emit(ev.DeploymentDeleted(name=name), actor=p.user))[0]
+        await scaler.forget_load(name)
         await svc.caught_up(seq)
         return {"name": name, "deleted": True, "replicas": replicas, "seq": seq}
 
     @r.get("/v1/deployments")
     async def list_deployments() -> list[dict[str, Any]]:
         return redact([{"name": k, **v, "live_replicas": len(scaler.replicas_of(k)),
-                        "pending_requests": scaler.metrics_in.get(k, (0.0, 0.0))[0]} for k, v in sorted(proj.deployments.items())])
+                        "pending_requests": await scaler.load_of(k)} for k, v in sorted(proj.deployments.items())])
 
     @r.post("/v1/deployments/{name}/metrics")
     async def post_metrics(name: KnownDeployment, body: MetricsPost) -> dict[str, Any]:
         if name not in proj.deployments:
             raise HTTPException(404, f"no deployment {name}")
-        scaler.metrics_in[name] = (body.pending_requests, scaler.clock())
+        await scaler.post_load(name, body.pending_requests)
         return {"name": name, "pending_requests": body.pending_requests}
 
     return r

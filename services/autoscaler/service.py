@@ -12,6 +12,7 @@ whose provider is not configured here is left alone, and says why.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -36,6 +37,8 @@ from shared.runtime import Metrics, NotCaughtUp, Service
 from shared.settings import Settings
 
 log = logging.getLogger("gpuorch.autoscaler")
+LOAD_BUCKET = "gpuorch_deployment_load"  # deployment -> the queue length its server last posted
+LOAD_TTL_S = 3600.0
 
 
 class Autoscaler:
@@ -46,7 +49,6 @@ class Autoscaler:
         self.clock = clock
         self.interval = settings.autoscale_interval_s
         self.leadership = Leadership("autoscaler", source="/gpuorch/autoscaler")
-        self.metrics_in: dict[str, tuple[float, float]] = {}  # deployment -> (pending requests, when posted)
         self.history: dict[str, ReplicaHistory] = {}
         self.simulated: SimulatedProvider | None = None
         self.providers = {name: CommandProvider.from_config(c) for name, c in load_providers(providers_path(settings)).items()}
@@ -231,10 +233,34 @@ class Autoscaler:
             for job_id in self.replicas_of(name, owner):  # none once cancelled: a tombstone costs one scan
                 await self.emit(ev.JobCancelled(job_id=job_id, reason=f"deployment {name} deleted"))
 
+    async def post_load(self, name: str, pending: float) -> None:
+        """A deployment's queue length as its server posted it: kept in a bucket, so that every autoscaler replica
+        (the leader decides) reads it, and a restart does not forget it; it expires after LOAD_TTL_S."""
+        kv = await self.svc.log.kv(LOAD_BUCKET, ttl=LOAD_TTL_S)
+        await kv.put(name, json.dumps({"pending_requests": pending, "at": self.clock()}).encode())
+
+    async def forget_load(self, name: str) -> None:
+        """A deleted deployment's load: a new one of its name starts from none."""
+        await (await self.svc.log.kv(LOAD_BUCKET, ttl=LOAD_TTL_S)).delete(name)
+
+    async def load_of(self, name: str) -> float:
+        """The last queue length posted for a deployment; 0 if none (or none within LOAD_TTL_S)."""
+        from nats.js.errors import KeyDeletedError, KeyNotFoundError
+
+        kv = await self.svc.log.kv(LOAD_BUCKET, ttl=LOAD_TTL_S)
+        try:
+            entry = await kv.get(name)
+            return float(json.loads(entry.value or b"{}").get("pending_requests", 0.0))
+        except (KeyNotFoundError, KeyDeletedError):
+            return 0.0
+        except (ValueError, TypeError, AttributeError):
+            log.warning("event=deployment_load_unreadable deployment=%s", name)
+            return 0.0
+
     async def scale_deployment(self, name: str, dep: dict, now: float) -> None:
         spec = self.proj.deployment_spec(name)
         live = self.replicas_of(name)
-        pending, _ = self.metrics_in.get(name, (0.0, 0.0))
+        pending = await self.load_of(name)
         want = desired_replicas(spec, len(live), pending, now, self.history.setdefault(name, ReplicaHistory()))
         if want == len(live):
             return

@@ -3,6 +3,7 @@ only a provider an admin configured ever runs a command."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
@@ -254,3 +255,26 @@ async def test_a_pool_node_lost_for_long_is_terminated_and_replaced(eventlog: Ev
 async def _replaced(pool_nodes, first: str) -> list[str] | None:
     nodes = await pool_nodes()
     return nodes if nodes and first not in nodes else None
+
+
+async def test_a_deployments_posted_load_outlives_an_autoscaler_restart(eventlog: EventLog, tmp_path):
+    """The queue length a server posts is kept in a bucket, not in the autoscaler's memory: a restarted autoscaler
+    (or another replica of it, which would have missed the post) still reads it, so the replicas stay. It used to
+    read 0 after a restart and cut the replicas down to the minimum until the next post."""
+    spec = {"command": ["sleep", "600"], "resources": {"gpus": 1}, "min_replicas": 1, "max_replicas": 5,
+            "target_pending_per_replica": 10, "stabilization_s": 0}
+
+    async def replicas(client, n: int):
+        jobs = (await client.get("/v1/jobs", params={"name": "chat"})).json()
+        return jobs if len(jobs) == n else None
+
+    async with in_process_stack(eventlog, autoscale_interval_s=0.2, data_dir=tmp_path / "d") as (client, _):
+        assert (await client.put("/v1/deployments/chat", json=spec)).status_code == 200
+        assert (await client.post("/v1/deployments/chat/metrics", json={"pending_requests": 35})).status_code == 200
+        await until(lambda: replicas(client, 4), 30, "four replicas for 35 waiting requests")
+    async with in_process_stack(eventlog, autoscale_interval_s=0.2, data_dir=tmp_path / "d") as (client, _):
+        [dep] = (await client.get("/v1/deployments")).json()
+        assert dep["pending_requests"] == 35
+        for _ in range(10):  # ten scaling passes: none scales down
+            await asyncio.sleep(0.2)
+            assert await replicas(client, 4), "the replicas were cut on a restart"

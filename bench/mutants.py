@@ -117,6 +117,12 @@ RULES: dict[str, Rule] = {
         "a deployment's replicas are its owner's jobs that name it: another user's job naming it neither holds "
         "replicas back nor is cancelled; deleting a deployment cancels its replicas",
         ("tests/autoscaler/test_autoscaler_stack.py",)),
+    "a deployment's load outlives its autoscaler": Rule(
+        "the queue length a deployment's server posts is read back from the bucket, by any replica, after a restart",
+        ("tests/autoscaler/test_autoscaler_stack.py",)),
+    "srun runs in its task": Rule(
+        "gpuorch's srun is first on a task's PATH and runs its program once there, in the directory -D names",
+        ("tests/jobfiles/test_srun.py", "tests/test_agent_containment.py")),
     "a lost pool node is replaced": Rule(
         "a pool node lost for pool_lost_node_s and holding no work is terminated, so its pool buys another",
         ("tests/autoscaler/test_autoscaler_stack.py",)),
@@ -464,6 +470,13 @@ MUTANTS: tuple[Mutant, ...] = (
       "== name and j.owner == owner and j.state in", "== name and j.state in"),
     M("a-deleted-deployment-keeps-its-replicas", "a deployment's replicas are its own", "services/autoscaler/service.py",
       "            for job_id in self.replicas_of(name, owner):", "            for job_id in []:"),
+    M("the-load-kept-in-memory-only", "a deployment's load outlives its autoscaler", "services/autoscaler/service.py",
+      '        await kv.put(name, json.dumps({"pending_requests": pending, "at": self.clock()}).encode())',
+      '        self.__dict__.setdefault("posted", {})[name] = pending'),
+    M("no-srun-on-the-path", "srun runs in its task", "services/inventory/taskenv.py",
+      'return {"PATH": f"{SHIMS}:{python_dir}:{SAFE_PATH}"', 'return {"PATH": f"{python_dir}:{SAFE_PATH}"'),
+    M("srun-ignores-chdir", "srun runs in its task", "services/inventory/bin/srun",
+      'if [ -n "$dir" ]; then cd "$dir" || die "cannot cd to $dir"; fi', ':'),
     M("a-lost-pool-node-kept-for-ever", "a lost pool node is replaced", "services/autoscaler/scaling.py",
       "        if gone:\n            out[pool.spec.name] = sorted(gone)", "        if False:\n            pass"),
     M("reclaim-floor-is-the-entitlement", "guarantees come back whole gangs at a time", "services/scheduler/decide.py",
@@ -766,6 +779,7 @@ def interpreter() -> str:
 def copy_repo(into: Path) -> Path:
     root = into / "repo"
     shutil.copytree(REPO, root, ignore=IGNORE, symlinks=True)
+    into.chmod(0o755)  # a temporary directory is its owner's only: tasks run as nobody reach the copy's srun too
     return root
 
 
@@ -793,7 +807,8 @@ def run_mutant(m: Mutant, to_the_end: bool = False, timeout: float = 600, desele
             result.detail = f"the snippet is found {found} times in {m.file}: the code moved, update the mutant"
         else:
             try:
-                compile(mutated, m.file, "exec")
+                if m.file.endswith(".py"):  # a shell script (the srun shim) is mutated as text
+                    compile(mutated, m.file, "exec")
             except SyntaxError as e:
                 result.detail = f"the mutant does not compile: {e}"
             else:

@@ -387,8 +387,9 @@ def submit(
     translated = [Translated({}, (), "flags")]
     known_queues: tuple[str, ...] | None = None
     if file is None and (named := _job_file_named(command)) is not None:  # `sbatch job.sbatch`, as Slurm users type it
-        err.print(f"[dim]note:[/dim] {named} is a job file here: submitted as -f {named} would (a command on the "
-                  f"nodes: gpuorch submit -- {named} ARG...)")
+        instead = "" if named.suffix in (".yaml", ".yml", ".json") else \
+            f" (to run the script as a command on the nodes instead: gpuorch submit -- bash {named})"
+        err.print(f"[dim]note:[/dim] {named} is a job file here, read as -f {named} would read it{instead}")
         file, command = named, None
     if file:
         ctx = _jobfile_context(url, jobfile_map)

@@ -166,7 +166,8 @@ async def test_submit_of_a_job_file_by_its_name_alone_submits_the_file_as_sbatch
         code, out = await gpuorch("submit", "job.sbatch", "--json")
         assert code == 0, out
         said = " ".join(out.split())
-        assert "note: job.sbatch is a job file here: submitted as -f job.sbatch" in said, out
+        assert "note: job.sbatch is a job file here, read as -f job.sbatch would read it" in said, out
+        assert "gpuorch submit -- bash job.sbatch" in said, out
         array = json.loads(out[out.index("{"):])
         assert array["count"] == 4 and array["name"] == "train", array
         jobs = (await client.get("/v1/jobs", params={"array": array["id"]})).json()

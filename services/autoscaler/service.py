@@ -145,12 +145,13 @@ class Autoscaler:
             if k > 0:
                 await self._isolated(pool, self.grow(pool, k))
         busy = {n: bool(s.gpu_alloc or s.cpu_alloc) for n, s in proj.nodes.items()}
-        for pool, nodes in scale_down(pools, busy, proj.idle_since, now).items():
+        idle = scale_down(pools, busy, proj.idle_since, now)
+        for pool, nodes in idle.items():
             for node_id in nodes:
                 await self._isolated(pool, self.shrink(pool, node_id))
-        lost = lost_to_replace(pools, busy, proj.lost_since, now, self.settings.pool_lost_node_s)
-        for pool, nodes in lost.items():
-            for node_id in nodes:
+        gone = {n for nodes in idle.values() for n in nodes}  # a lost node may be idle past its timeout too
+        for pool, nodes in lost_to_replace(pools, busy, proj.lost_since, now, self.settings.pool_lost_node_s).items():
+            for node_id in (n for n in nodes if n not in gone):
                 await self._isolated(pool, self.shrink(pool, node_id, f"lost for {self.settings.pool_lost_node_s:g} s"))
 
     async def _isolated(self, name: str, action: Awaitable[None], failures: dict[str, str] | None = None) -> None:

@@ -123,6 +123,9 @@ RULES: dict[str, Rule] = {
     "srun runs in its task": Rule(
         "gpuorch's srun is first on a task's PATH and runs its program once there, in the directory -D names",
         ("tests/jobfiles/test_srun.py", "tests/test_agent_containment.py")),
+    "a 422 echoes no secret": Rule(
+        "a refused field shows its own value, cut short, never the object around it nor anything under secret_env",
+        ("tests/test_api_validation.py",)),
     "a lost pool node is replaced": Rule(
         "a pool node lost for pool_lost_node_s and holding no work is terminated, so its pool buys another",
         ("tests/autoscaler/test_autoscaler_stack.py",)),
@@ -477,6 +480,13 @@ MUTANTS: tuple[Mutant, ...] = (
       'return {"PATH": f"{SHIMS}:{python_dir}:{SAFE_PATH}"', 'return {"PATH": f"{python_dir}:{SAFE_PATH}"'),
     M("srun-ignores-chdir", "srun runs in its task", "services/inventory/bin/srun",
       'if [ -n "$dir" ]; then cd "$dir" || die "cannot cd to $dir"; fi', ':'),
+    M("a-422-echoes-the-whole-body", "a 422 echoes no secret", "shared/api_errors.py",
+      "    if isinstance(value, (dict, list, tuple)) or SECRET_FIELDS", "    if SECRET_FIELDS"),
+    M("a-422-echoes-a-secret", "a 422 echoes no secret", "shared/api_errors.py",
+      'SECRET_FIELDS = frozenset({"secret_env", "token", "password"})', "SECRET_FIELDS = frozenset()"),
+    M("a-422-echoes-a-long-value-whole", "a 422 echoes no secret", "shared/api_errors.py",
+      "    elif isinstance(value, (str, bytes)) and len(value) > SHOWN_INPUT_CHARS:",
+      "    elif False:"),
     M("a-lost-pool-node-kept-for-ever", "a lost pool node is replaced", "services/autoscaler/scaling.py",
       "        if gone:\n            out[pool.spec.name] = sorted(gone)", "        if False:\n            pass"),
     M("reclaim-floor-is-the-entitlement", "guarantees come back whole gangs at a time", "services/scheduler/decide.py",

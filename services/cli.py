@@ -1143,7 +1143,7 @@ def pools_set(
 
 @pools_app.command("delete")
 def pools_delete(name: str, url: UrlOpt = DEFAULT_URL) -> None:
-    """Delete a pool that has no node left (set --max 0 first: its nodes go when idle)."""
+    """Delete a pool that has no node left (set --min 0 --max 0 first: its nodes go when idle)."""
     api("DELETE", url, f"/v1/pools/{name}")
     console.print(f"pool {name} deleted")
 

@@ -537,6 +537,13 @@ def _jobfile_context(url: str, jobfile_map: Path | None) -> Any:
                    models=tuple(models), environ=dict(os.environ))
 
 
+def _per_task(gpus: float, mig: str | None, unit: str = "") -> str:
+    """What each task holds: GPUs ('2', '0.5'), or MIG slices ('1g.10gb', '2x1g.10gb')."""
+    if mig:
+        return f"{int(gpus)}x{mig}" if gpus > 1 else mig
+    return f"{int(gpus) if gpus == int(gpus) else gpus}{unit}"
+
+
 def _print_dry_run(res: dict[str, Any]) -> None:
     spec = res["spec"]
     r = spec["resources"]
@@ -650,9 +657,8 @@ def jobs(
         table.add_column(col, overflow="fold" if col == "REASON" else "ellipsis", no_wrap=col != "REASON")
     for j in rows:
         nodes = ",".join(sorted({p["node"] for p in j["placement"]})) or "-"
-        g, mig = j["gpus_per_task"], (j.get("spec") or {}).get("gpu", {}).get("mig")
         code = exit_code(j)
-        per_task = f"{int(g) if g == int(g) else g}" if not mig else (f"{int(g)}x{mig}" if g > 1 else mig)
+        per_task = _per_task(j["gpus_per_task"], (j.get("spec") or {}).get("gpu", {}).get("mig"))
         table.add_row(j["id"], j["name"], j["queue"], j["state"], f"{j['tasks']}x{per_task}", nodes,
                       age(j["submitted_at"], now), "-" if code is None else _exit_text(code), j["reason"] or "")
     console.print(table)
@@ -754,8 +760,8 @@ def job_lines(job: dict[str, Any], now: float) -> list[tuple[str, str]]:
     if spec:
         per_node = f", {spec['tasks_per_node']} per node" if spec.get("tasks_per_node") else ""
         lines += [("time limit", _seconds(spec.get("time_limit_s"))),
-                  ("tasks", f"{job['tasks']} x {int(g) if g == int(g) else g} GPU(s){per_node}, topology "
-                            f"{spec.get('topology', 'any')}"),
+                  ("tasks", f"{job['tasks']} x {_per_task(g, spec.get('gpu', {}).get('mig'), ' GPU(s)')}{per_node}, "
+                            f"topology {spec.get('topology', 'any')}"),
                   ("per task", f"{res.get('cpu_milli', 0) / 1000:g} CPU, {res.get('memory_mib', 0)} MiB")]
         if spec.get("gpu", {}).get("models") or spec.get("gpu", {}).get("mig"):
             lines.append(("gpu", ", ".join(f"{k}={v}" for k, v in spec["gpu"].items() if v)))

@@ -51,5 +51,7 @@ async def test_a_slice_job_runs_on_a_mig_slice_of_a_simulated_node_and_nodes_cou
             assert code == 0 and row[3:5] == ["7/7", "6/7"], out  # seven whole GPUs free; six of seven slices
             code, out = await gpuorch("jobs")
             assert "1x1g.10gb" in out, out
+            code, out = await gpuorch("show", job_id)
+            assert "tasks:       1 x 1g.10gb, topology any" in out, out
     finally:
         agent.stop_everything()

@@ -204,3 +204,23 @@ async def test_an_admission_verdict_is_kept_only_until_the_clusters_shape_change
 
 async def _registered(client: httpx.AsyncClient, n: int) -> bool:
     return len((await client.get("/v1/nodes")).json()) >= n
+
+
+async def test_a_failed_jobs_reason_says_what_a_shells_code_or_a_signal_means(eventlog: EventLog, agents):
+    """'task 0 exited with code 127' left a user to know that 127 is a shell's 'command not found'; a signal read as
+    a bare number. The reason now says so, and where to read the task's stderr."""
+    from tests.support import nodes_up
+
+    agents("a", profile="t4-4x")
+    async with in_process_stack(eventlog) as (client, _):
+        await nodes_up(client, 1)
+        ids = {}
+        for name, script in (("missing", "no-such-program-here"), ("killed", "kill -KILL $$")):
+            r = await client.post("/v1/jobs", json={"name": name, "command": ["sh", "-c", script]})
+            assert r.status_code == 201, r.text
+            ids[name] = r.json()["id"]
+        missing = await wait_state(client, ids["missing"], "failed", 30)
+        assert missing["reason"] == (f"task 0 exited with code 127 (a command it ran was not found: gpuorch logs "
+                                     f"{ids['missing']} -t 0 --stderr)"), missing["reason"]
+        killed = await wait_state(client, ids["killed"], "failed", 30)
+        assert killed["reason"] == "task 0 was killed by signal 9 (SIGKILL)", killed["reason"]

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,9 @@ from shared.settings import Settings
 from shared.telemetry import JobTraces, span
 
 log = logging.getLogger("gpuorch.scheduler")
+# what a shell's exit code says when the task gave no reason of its own
+SHELL_CODES = {126: "a command it ran could not be executed", 127: "a command it ran was not found"}
+SIGNALS = frozenset(int(s) for s in signal.Signals)
 
 PLACE_AT_ONCE = 256  # placements appended concurrently
 # after a cycle that worked for T seconds, an event wakes the next one no sooner than REST x T later (the timer's
@@ -276,9 +280,13 @@ class Scheduler:
                 await self._decide(job, ev.JobSucceeded(job_id=job.job_id), "succeeded")
             return
         if e.code is not None:
-            why = f"task {e.task} exited with code {e.code}" + (f": {e.reason}" if e.reason else "")
+            why = f"task {e.task} exited with code {e.code}" + (
+                f": {e.reason}" if e.reason else
+                f" ({SHELL_CODES[e.code]}: gpuorch logs {job.job_id} -t {e.task} --stderr)" if e.code in SHELL_CODES
+                else "")
         elif e.signal is not None:
-            why = f"task {e.task} was killed by signal {e.signal}"
+            why = f"task {e.task} was killed by signal {e.signal}" + (
+                f" ({signal.Signals(e.signal).name})" if e.signal in SIGNALS else "")
         else:
             why = f"task {e.task}: {e.reason or 'ended without an exit status'}"
         await self._decide(job, ev.JobFailed(job_id=job.job_id, code=e.code, reason=why), "failed")

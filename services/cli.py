@@ -547,10 +547,10 @@ def _per_task(gpus: float, mig: str | None, unit: str = "") -> str:
 def _print_dry_run(res: dict[str, Any]) -> None:
     spec = res["spec"]
     r = spec["resources"]
-    g = r["gpus"]
     per_node = f", {spec['tasks_per_node']} per node" if spec.get("tasks_per_node") else ""
     console.print(f"[bold]{spec['name']}[/bold] would be submitted to queue {spec['queue']} at priority "
-                  f"{spec['priority']}: {spec['tasks']} task(s) x {int(g) if g == int(g) else g} GPU(s){per_node}, "
+                  f"{spec['priority']}: {spec['tasks']} task(s) x "
+                  f"{_per_task(r['gpus'], spec.get('gpu', {}).get('mig'), ' GPU(s)')}{per_node}, "
                   f"topology {spec['topology']}" + (f", time limit {spec['time_limit_s']} s" if spec.get('time_limit_s')
                                                     else ""))
     if spec.get("gpu", {}).get("models"):
@@ -1380,7 +1380,7 @@ def event_line(rec: Record) -> str:
 def _emit(rec: Record | dict[str, Any], as_json: bool) -> None:
     """One event as ``record_json`` shows it (``rec``: a record, or that JSON as the API answered it)."""
     from shared.api_events import record_json
-    from shared.eventlog import Undecodable, _decode_body
+    from shared.eventlog import RawRecord
 
     shown = rec if isinstance(rec, dict) else record_json(rec)
     if as_json:
@@ -1389,7 +1389,7 @@ def _emit(rec: Record | dict[str, Any], as_json: bool) -> None:
     if isinstance(rec, dict):
         seq = int(rec["seq"])
         rec = (Undecodable(seq, str(rec["undecodable"]), False, "") if "undecodable" in rec
-               else _decode_body(json.dumps({k: v for k, v in rec.items() if k != "seq"}).encode(), seq))
+               else RawRecord(seq, b"", json.dumps({k: v for k, v in rec.items() if k != "seq"}).encode()).decoded())
     console.print(event_line(rec), markup=False, highlight=False, soft_wrap=True)
 
 

@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
+from nats.js.kv import KeyValue
+
 from services.autoscaler.api import router
 from services.autoscaler.projection import AutoscalerProjection
 from services.autoscaler.providers import (SIMULATED, CommandProvider, ProviderError, ProvidersFileError,
@@ -50,6 +52,7 @@ class Autoscaler:
         self.interval = settings.autoscale_interval_s
         self.leadership = Leadership("autoscaler", source="/gpuorch/autoscaler")
         self.history: dict[str, ReplicaHistory] = {}
+        self._load_kv: KeyValue | None = None  # the bucket of posted queue lengths, once looked up
         self.simulated: SimulatedProvider | None = None
         self.providers = {name: CommandProvider.from_config(c) for name, c in load_providers(providers_path(settings)).items()}
         self.unscaled: dict[str, str] = {}  # pool -> why it is left alone (logged once)
@@ -219,36 +222,45 @@ class Autoscaler:
 
     # --- inference deployments -------------------------------------------------------------
 
-    def replicas_of(self, name: str, owner: str | None = None) -> list[str]:
-        """The deployment's unfinished replicas: jobs of its owner that name it (``owner``: a deleted one's). Another
-        user's job naming it in its environment is not one: it would hold replicas back, or be cancelled."""
-        if owner is None:
-            owner = self.proj.deployments[name]["spec"].get("owner")
+    def replicas_of(self, name: str) -> list[str]:
+        """The deployment's unfinished replicas: jobs of its owner that name it. Another user's job naming it in its
+        environment is not one: it would hold replicas back, or be cancelled."""
+        owner = self.proj.deployments[name]["spec"].get("owner")
         return [j.job_id for j in self.proj.jobs.values()
                 if j.spec.env.get("GPUORCH_DEPLOYMENT") == name and j.owner == owner and j.state in ACTIVE | PENDING]
 
     async def scale_deployments(self, now: float) -> None:
         for name, dep in sorted(self.proj.deployments.items()):
             await self._isolated(name, self.scale_deployment(name, dep, now), self.deployment_failures)
-        for name, owner in sorted(self.proj.deleted_deployments.items()):
-            for job_id in self.replicas_of(name, owner):  # none once cancelled: a tombstone costs one scan
-                await self.emit(ev.JobCancelled(job_id=job_id, reason=f"deployment {name} deleted"))
+        gone = self.proj.deleted_deployments
+        if gone:  # one scan for them all; the list first: the fold may change the jobs while a cancel is appended
+            orphans = [(j.job_id, name) for j in list(self.proj.jobs.values())
+                       if (name := j.spec.env.get("GPUORCH_DEPLOYMENT")) in gone and j.owner == gone[name]
+                       and j.state in ACTIVE | PENDING]
+            for job_id, name in orphans:  # the id: a pass before the fold caught up appends it once
+                await self.emit(ev.JobCancelled(job_id=job_id, reason=f"deployment {name} deleted"),
+                                f"{job_id}-deployment-deleted")
+
+    async def _loads(self) -> KeyValue:
+        """The bucket of posted queue lengths (its handle kept: looking a bucket up is a request)."""
+        if self._load_kv is None:
+            self._load_kv = await self.svc.log.kv(LOAD_BUCKET, ttl=LOAD_TTL_S)
+        return self._load_kv
 
     async def post_load(self, name: str, pending: float) -> None:
         """A deployment's queue length as its server posted it: kept in a bucket, so that every autoscaler replica
         (the leader decides) reads it, and a restart does not forget it; it expires after LOAD_TTL_S."""
-        kv = await self.svc.log.kv(LOAD_BUCKET, ttl=LOAD_TTL_S)
-        await kv.put(name, json.dumps({"pending_requests": pending, "at": self.clock()}).encode())
+        await (await self._loads()).put(name, json.dumps({"pending_requests": pending}).encode())
 
     async def forget_load(self, name: str) -> None:
         """A deleted deployment's load: a new one of its name starts from none."""
-        await (await self.svc.log.kv(LOAD_BUCKET, ttl=LOAD_TTL_S)).delete(name)
+        await (await self._loads()).delete(name)
 
     async def load_of(self, name: str) -> float:
         """The last queue length posted for a deployment; 0 if none (or none within LOAD_TTL_S)."""
         from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
-        kv = await self.svc.log.kv(LOAD_BUCKET, ttl=LOAD_TTL_S)
+        kv = await self._loads()
         try:
             entry = await kv.get(name)
             return float(json.loads(entry.value or b"{}").get("pending_requests", 0.0))

@@ -569,6 +569,8 @@ def _print_dry_run(res: dict[str, Any]) -> None:
         console.print(f"  ({res['ahead']} job(s) of its queue wait ahead of it and may go first)")
 
 
+JOB_STATES = ("submitted", "queued", "placed", "running", "preempting", "preempted", "succeeded", "failed",
+              "cancelled", "rejected")
 SLURM_STATES = {
     "PD": ("submitted", "queued"), "PENDING": ("submitted", "queued"),
     "CF": ("placed",), "CONFIGURING": ("placed",),
@@ -578,12 +580,11 @@ SLURM_STATES = {
     "CD": ("succeeded",), "COMPLETED": ("succeeded",),
     "F": ("failed",), "FAILED": ("failed",),
     "CA": ("cancelled",), "CANCELLED": ("cancelled",),
+    "ALL": JOB_STATES,
 }  # squeue's state codes and names; gpuorch's own names are taken as they are
-JOB_STATES = ("submitted", "queued", "placed", "running", "preempting", "preempted", "succeeded", "failed",
-              "cancelled", "rejected")
 StateOpt = Annotated[str | None, typer.Option(
     "-s", "--state", "-t", help="comma-separated (-t as squeue and scancel): Slurm codes PD, CF, R, CG, PR, CD, F, CA (or their long names), "
-                          "or gpuorch's states (queued, running, preempting, succeeded, ...)")]
+                          "all, or gpuorch's states (queued, running, preempting, succeeded, ...)")]
 
 
 def job_states(text: str) -> list[str]:
@@ -592,7 +593,8 @@ def job_states(text: str) -> list[str]:
     for word in (w.strip() for w in text.split(",") if w.strip()):
         states = SLURM_STATES.get(word.upper()) or ((word.lower(),) if word.lower() in JOB_STATES else None)
         if states is None:
-            fail(f"--state {word!r}: use {', '.join(k for k in SLURM_STATES if len(k) <= 2)} or {', '.join(JOB_STATES)}")
+            fail(f"--state {word!r}: use {', '.join(k for k in SLURM_STATES if len(k) <= 2)}, all or "
+                 f"{', '.join(JOB_STATES)}")
         out += [st for st in states if st not in out]
     return out
 
@@ -600,9 +602,10 @@ def job_states(text: str) -> list[str]:
 JOBS_PAGE = 1000  # jobs asked for at once: the API's largest page
 
 
-def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int) -> list[dict[str, Any]]:
+def list_jobs(url: str, queue: str | None, states: list[str] | None, limit: int,
+              owner: str | None = None) -> list[dict[str, Any]]:
     """Up to ``limit`` of the jobs the caller may see, newest first: page after page, following X-Next-Cursor."""
-    params: dict[str, Any] = {"queue": queue} if queue is not None else {}
+    params: dict[str, Any] = {k: v for k, v in (("queue", queue), ("owner", owner)) if v is not None}
     if states is not None:
         params["state"] = states
     rows: list[dict[str, Any]] = []
@@ -635,6 +638,7 @@ def jobs(
     queue: Annotated[str | None, typer.Option("-q", "--queue")] = None,
     state: StateOpt = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="include finished jobs")] = False,
+    user: Annotated[str | None, typer.Option("--user", "-u", help="only this user's jobs (-u as squeue)")] = None,
     limit: Annotated[int, typer.Option(min=1, help="at most this many, the newest first")] = 200,
     url: UrlOpt = DEFAULT_URL,
     as_json: JsonOpt = False,
@@ -646,7 +650,7 @@ def jobs(
 
     unfinished = [st for st in JOB_STATES if st not in TERMINAL]
     states = job_states(state) if state else (None if all_ else unfinished)
-    rows = list_jobs(url, queue, states, limit + 1)  # one more than shown: whether there are more
+    rows = list_jobs(url, queue, states, limit + 1, user)  # one more than shown: whether there are more
     more, rows = len(rows) > limit, rows[:limit]
     if as_json:
         print_json(rows)
@@ -997,8 +1001,9 @@ def queues_delete(name: Annotated[str, typer.Argument(help="the queue's path")],
 
 @queues_app.command("apply")
 def queues_apply(
-    file: Annotated[Path, typer.Option("-f", "--file", help="queue manifests: KAI Queue, Kueue ClusterQueue / "
-                                                             "LocalQueue / Cohort, Volcano Queue")],
+    path: Annotated[Path | None, typer.Argument(help="the file (or give it with -f, as kubectl apply)")] = None,
+    file: Annotated[Path | None, typer.Option("-f", "--file", help="queue manifests: KAI Queue, Kueue ClusterQueue / "
+                                                                    "LocalQueue / Cohort, Volcano Queue")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="show the queues it would apply; apply nothing")] = False,
     url: UrlOpt = DEFAULT_URL,
     as_json: JsonOpt = False,
@@ -1006,6 +1011,10 @@ def queues_apply(
     """Create or update the queues a file defines, parents first; jobs and other kinds in it are skipped."""
     from services.jobfiles import JobFileError, load_file
 
+    if (path is None) == (file is None):
+        fail("name one file: gpuorch queues apply FILE (or -f FILE)")
+    file = path or file
+    assert file is not None
     try:
         loaded = load_file(file, _jobfile_context(url, None))
     except JobFileError as e:

@@ -45,6 +45,10 @@ async def test_an_array_of_ten_at_two_at_a_time_never_holds_more_than_two_and_ev
         assert most == 2, f"at most {most} elements held at once; the limit is 2"
         summary = (await client.get(f"/v1/jobs/{array['id']}")).json()
         assert summary["states"] == {"succeeded": 10} and summary["max_running"] == 2
+        # an array has no output of its own: the answer names its elements (gpuorch logs ARRAY said "no job")
+        r = await client.get(f"/v1/jobs/{array['id']}/logs")
+        assert r.status_code == 404 and r.json()["detail"] == (
+            f"{array['id']} is an array of 10 jobs: ask for one of them ({array['id']}-0 to {array['id']}-9)"), r.text
 
 
 async def test_afterok_waits_for_its_job_to_succeed_and_is_cancelled_naming_a_job_that_failed(

@@ -27,6 +27,8 @@ __all__ = ["Context", "JobFileError", "Loaded", "NotSupportedYet", "QueueDef", "
 WORKLOADS = {"MPIJob", "TFJob", "XGBoostJob", "PaddleJob", "JAXJob", "MXJob", "RayJob", "RayCluster", "RayService",
              "JobSet", "TrainJob", "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "ReplicationController",
              "CronJob", "LeaderWorkerSet", "Notebook", "Workload", "InferenceService"}
+# queue kinds of other groups than the ones read (a gpuorch/v1 Queue, say): skipped, naming what is read
+QUEUE_KINDS = {"Queue", "ClusterQueue", "LocalQueue", "Cohort"}
 INSTEAD = {"MPIJob": "a PyTorchJob or a batch/v1 Job whose pods run mpirun's ranks",
            "TFJob": "a batch/v1 Job with parallelism (every pod gets RANK and WORLD_SIZE)",
            "CronJob": "a batch/v1 Job, submitted on your schedule",
@@ -116,6 +118,10 @@ def load_documents(docs: list[Any], name: str, ctx: Context = Context()) -> Load
         elif kind in WORKLOADS:
             instead = INSTEAD.get(kind, "a batch/v1 Job, a PyTorchJob or a Volcano Job")
             raise JobFileError(f"{name}: {what}: gpuorch does not run {kind} yet: write it as {instead}")
+        elif kind in QUEUE_KINDS:
+            notes.append(f"{what}: not a queue gpuorch reads (KAI scheduling.run.ai Queue, Volcano "
+                         "scheduling.volcano.sh Queue, Kueue ClusterQueue, LocalQueue or Cohort; or gpuorch queues "
+                         "set): skipped")
         else:
             notes.append(f"{what}: not a job or a queue: skipped")
     for owner, members in grouped.items():

@@ -599,6 +599,10 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         offset: Annotated[int, Query(ge=0, le=2**53)] = 0,
     ) -> dict[str, Any]:
         """A task's output, asked of the agent of the node it ran on, over the bus (``offset`` to follow)."""
+        if job_id not in proj.jobs and (members := elements(job_id, p)):  # an array has no output of its own
+            first, last = members[0].job_id, members[-1].job_id
+            raise HTTPException(404, f"{job_id} is an array of {len(members)} jobs: ask for one of them"
+                                     f" ({first}{' to ' + last if last != first else ''})")
         job = known(job_id, p)
         placement = next((q for q in job.placements + job.last_placements if q.task == task), None)
         if placement is None:

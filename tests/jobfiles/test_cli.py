@@ -85,10 +85,16 @@ async def test_dry_run_and_queue_commands_from_the_command_line(eventlog, monkey
         queues = {q["path"]: q for q in (await client.get("/v1/queues")).json()}
         assert queues["research.team-a"]["limit"] == {"gpus": 12.0}
         assert queues["research.team-a.training"]["guaranteed"] == {"gpus": 0.0}
-        code, out = await gpuorch("queues", "apply", "-f", str(INPUTS / "kueue_cluster_queues.yaml"))
+        code, out = await gpuorch("queues", "apply", str(INPUTS / "kueue_cluster_queues.yaml"))  # as kubectl apply -f
         # the cohort's queue "research" is made only while missing: a queue the cluster has stays as it is
         assert code == 0 and out.count("unchanged") == 3 and "queue research " not in out, out
 
+        code, out = await gpuorch("queues", "apply", str(INPUTS / "kueue_cluster_queues.yaml"), "-f", "other.yaml")
+        assert code == 1 and "name one file" in out, out
+        native = tmp_path / "native.yaml"
+        native.write_text("apiVersion: gpuorch/v1\nkind: Queue\nmetadata: {name: research}\nspec: {guarantee: 8}\n")
+        code, out = await gpuorch("queues", "apply", str(native))
+        assert code == 1 and "not a queue gpuorch reads" in out and "gpuorch queues set" in " ".join(out.split()), out
         code, out = await gpuorch("queues", "set", "research.team-b", "--limit", "10", "--weight", "3")
         assert code == 0 and "updated" in out, out
         team_b = next(q for q in (await client.get("/v1/queues")).json() if q["path"] == "research.team-b")

@@ -58,6 +58,12 @@ async def test_jobs_s_takes_slurm_codes_and_show_tells_exit_codes_reasons_and_th
         assert {j["id"] for j in json.loads(out)} == {ok, bad}, "Slurm codes and gpuorch's names mix"
         code, out = await gpuorch("jobs", "-s", "XX")
         assert code == 1 and "PD" in out, out
+        code, out = await gpuorch("jobs", "-t", "all", "--json")  # squeue -t all
+        assert {j["id"] for j in json.loads(out)} == {ok, bad, hog, nxt}, out
+        code, out = await gpuorch("jobs", "-a", "-u", "admin", "--json")  # squeue -u: the owner
+        assert {j["id"] for j in json.loads(out)} == {ok, bad, hog, nxt}, out
+        code, out = await gpuorch("jobs", "-a", "-u", "alice", "--json")
+        assert json.loads(out) == [], out
 
         code, out = await gpuorch("show", nxt, "--json")
         shown = json.loads(out)

@@ -768,7 +768,8 @@ def job_lines(job: dict[str, Any], now: float) -> list[tuple[str, str]]:
                             f"topology {spec.get('topology', 'any')}"),
                   ("per task", f"{res.get('cpu_milli', 0) / 1000:g} CPU, {res.get('memory_mib', 0)} MiB")]
         if spec.get("gpu", {}).get("models") or spec.get("gpu", {}).get("mig"):
-            lines.append(("gpu", ", ".join(f"{k}={v}" for k, v in spec["gpu"].items() if v)))
+            lines.append(("gpu", ", ".join(f"{k} {' or '.join(v) if isinstance(v, list) else v}"
+                                           for k, v in spec["gpu"].items() if v)))
     for p in job.get("placement") or []:
         lines.append((f"task {p['task']}", f"node {p['node']}, {len(p['gpus'])} GPU(s) {','.join(p['gpus'])}"))
     if job.get("nodes"):
@@ -795,7 +796,7 @@ def job_lines(job: dict[str, Any], now: float) -> list[tuple[str, str]]:
 @app.command()
 def show(job_id: Annotated[str, typer.Argument()], url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
     """Everything about a job, like scontrol show job: state and why it waits, when it should start, times,
-    limits, placement, exit codes, retries, array and dependencies, command."""
+    limits, placement, exit codes, retries, array and dependencies, command; then its events, as kubectl describe."""
     import time
 
     from rich.markup import escape
@@ -814,6 +815,39 @@ def show(job_id: Annotated[str, typer.Argument()], url: UrlOpt = DEFAULT_URL, as
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
         console.print(f"[bold]{k + ':':<{width + 1}}[/bold] {escape(v)}", highlight=False)
+    if "states" not in job and not job.get("archived"):  # what happened to it, as kubectl describe's Events
+        history = api("GET", url, f"/v1/jobs/{job_id}/events")
+        console.print("[bold]events (UTC):[/bold]" + (f" (the last {SHOWN_EVENTS} of {len(history)})"
+                                                if len(history) > SHOWN_EVENTS else ""), highlight=False)
+        placed = 0  # the latest placement's sequence: a task event of another attempt is an earlier one's
+        for i, e in enumerate(history):
+            placed = e["seq"] if "placements" in (e.get("data") or {}) else placed
+            if i >= len(history) - SHOWN_EVENTS:
+                console.print("  " + escape(history_line(e, placed)), highlight=False, soft_wrap=True)
+
+
+SHOWN_EVENTS = 20  # a job's latest events `gpuorch show` prints
+
+
+def history_line(e: dict[str, Any], attempt: int = 0) -> str:
+    """One of a job's events as the API answers it (``record_json``), in words: its time (UTC), what, and why
+    (``attempt``: the sequence of the job's latest placement so far)."""
+    d, what = e.get("data") or {}, e["type"].removeprefix("io.gpuorch.").rsplit(".v", 1)[0]
+    if "placements" in d:
+        detail = "on " + ", ".join(sorted({p["node_id"] for p in d["placements"]}))
+    elif "task" in d:
+        detail = f"task {d['task']} on {d.get('node_id', '?')}"
+        if what == "job.task_exited":
+            code = _exit_text(d.get("code") if d.get("signal") is None else -d["signal"])
+            detail += ": " + (f"code {code}" if code.isdigit() else code)
+        if d.get("reason"):
+            detail += f" ({d['reason']})"
+        if d.get("attempt") not in (None, attempt):
+            detail += " (an earlier attempt)"
+    else:
+        detail = d.get("reason") or ""
+    by = f"(by {e['gpuorchactor']})" if e.get("gpuorchactor") else ""
+    return f"{str(e.get('time', ''))[11:19]}  {what:<18} " + " ".join(x for x in (detail, by) if x)
 
 
 @app.command()

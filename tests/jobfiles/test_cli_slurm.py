@@ -74,6 +74,10 @@ async def test_jobs_s_takes_slurm_codes_and_show_tells_exit_codes_reasons_and_th
         code, out = await gpuorch("show", bad)
         lines = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
         assert lines["exit code"].strip() == "3" and lines["task exits"].strip() == "0:3", out
+        history = out[out.index("events (UTC):"):].splitlines()[1:]  # as kubectl describe's Events
+        assert [line.split()[1] for line in history] == ["job.submitted", "job.queued", "job.placed",
+                                                         "job.task_started", "job.task_exited", "job.failed"], out
+        assert history[4].split(None, 2)[2] == "task 0 on a: code 3" and "task 0 exited with code 3" in history[5], out
         assert lines["command"].strip() == "sh -c 'exit 3'" and lines["state"].strip() == "failed", out
         assert lines["task 0"].strip().startswith("node a, 1 GPU(s)"), out
         assert lines["time limit"].strip() == "none" and lines["retries"].strip() == "0 of 0", out
@@ -151,3 +155,17 @@ def test_show_and_jobs_name_the_signal_that_ended_a_task():
     # a task killed after its peer had ended cleanly: the job's exit is the kill, not the peer's 0
     assert dict(cli.job_lines({**job, "task_exits": {"0": 0, "1": -9}}, 0.0))["exit code"] == "SIGKILL"
     assert dict(cli.job_lines({**job, "state": "succeeded", "task_exits": {"0": 0, "1": 0}}, 0.0))["exit code"] == "0"
+
+
+def test_a_job_s_history_line_says_what_happened_and_marks_an_earlier_attempt_s_task():
+    def rec(seq, kind, **data):
+        return {"seq": seq, "type": f"io.gpuorch.job.{kind}.v1", "time": "2026-11-28T10:40:24.614322Z",
+                "data": {"job_id": "j-1", **data}}
+    placed = rec(7, "placed", placements=[{"task": 1, "node_id": "b"}, {"task": 0, "node_id": "a"}])
+    assert cli.history_line(placed, 7) == "10:40:24  job.placed         on a, b"
+    assert cli.history_line({**rec(5, "submitted"), "gpuorchactor": "ann"}) == "10:40:24  job.submitted      (by ann)"
+    exited = rec(9, "task_exited", task=0, node_id="a", code=None, signal=15, reason="", attempt=3)
+    assert cli.history_line(exited, 7) == "10:40:24  job.task_exited    task 0 on a: SIGTERM (an earlier attempt)"
+    assert cli.history_line(exited, 3) == "10:40:24  job.task_exited    task 0 on a: SIGTERM"
+    lost = rec(8, "requeued", reason="node lost: a (retry 1 of 1)")
+    assert cli.history_line(lost, 3) == "10:40:24  job.requeued       node lost: a (retry 1 of 1)"

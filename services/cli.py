@@ -847,7 +847,7 @@ def history_line(e: dict[str, Any], attempt: int = 0) -> str:
     else:
         detail = d.get("reason") or ""
     by = f"(by {e['gpuorchactor']})" if e.get("gpuorchactor") else ""
-    return f"{str(e.get('time', ''))[11:19]}  {what:<18} " + " ".join(x for x in (detail, by) if x)
+    return (f"{str(e.get('time', ''))[11:19]}  {what:<18} " + " ".join(x for x in (detail, by) if x)).rstrip()
 
 
 @app.command()

@@ -453,6 +453,23 @@ class Cycle:
                 self.unschedulable[job.job_id] = (f"waiting for {names} to leave: reclaimed for queue {req.queue} "
                                                   f"(grace {self.policy.reclaim_grace_s} s)")
 
+    def explain_guarantees(self) -> None:
+        """A waiting job of a queue under its guarantee that is larger than the GPUs still owed to that queue gets
+        no evictions (reclaim lifts a queue to its guarantee, never above it, as Kueue's reclaimWithinCohort):
+        say so, or its reason reads as if the guarantee were ignored."""
+        if self.snap.floors is None:
+            return
+        for job, _ in self.waiting:
+            why = self.unschedulable.get(job.job_id)
+            floor, have, size = self.snap.floors.get(job.queue, 0.0), self.allocated.get(job.queue, 0.0), \
+                self.share(job.spec)
+            if why is None or "reclaim" in why or "; its queue " in why or have >= floor - EPS \
+                    or size <= floor - have + EPS:
+                continue  # placed, evicted for, told why reclaim found no victims, or within what is owed
+            self.unschedulable[job.job_id] = (
+                f"{why}; its queue {job.queue} holds {have:g} of the {floor:g} GPUs guaranteed to it, and reclaim "
+                f"takes back at most the {floor - have:g} that lift it to that, not this job's {size:g}")
+
     def _unreclaimable(self, job: PendingJob, req: ReclaimRequest) -> None:
         """Say why a job of a queue owed GPUs still waits: else its reason reads as if no guarantee were owed."""
         why = self.unschedulable.get(job.job_id)
@@ -558,7 +575,8 @@ def run_cycle(
        only if they cannot delay it.
     3. preempt: waiting jobs evict cheaper, strictly lower-priority gangs; they are
        placed in a later cycle, once the victims are gone.
-    4. reclaim: evict other queues' gangs for queues owed GPUs (fed by quota).
+    4. reclaim: evict other queues' gangs for queues owed GPUs (fed by quota); a job too large for what its
+       queue is owed is told so.
 
     No action takes a queue, or any of its ancestors, above its limit: a job that would
     waits with that reason, holds no reservation, and gets no evictions made for it. So does a job
@@ -571,6 +589,7 @@ def run_cycle(
     cycle.backfill(jobs)
     cycle.preempt()
     cycle.reclaim(reclaims)
+    cycle.explain_guarantees()
     return cycle.plan()
 
 

@@ -11,6 +11,8 @@ from services.scheduler.core import Cycle, Plan, Policy, ReclaimRequest, reclaim
 from services.scheduler.fragmentation import TypicalShape, fgd_score, typical_shapes
 from services.scheduler.placement import NodeFree, NodeScorer, PodShape, choose_node, take
 from shared.cluster import JobRecord
+from shared.fairshare import reclaim_requests
+from shared.model import GpuAmount, QueueSpec
 from tests.builders import cluster, gpu_uuid, job, node
 
 
@@ -510,6 +512,37 @@ def test_reclaim_never_lifts_the_owed_queue_above_what_it_is_owed_nor_evicts_for
     plan = run_cycle(c.snapshot(now=100, entitlements={"owner": 4, "borrower": 0}), Policy(preempt=False), 100,
                      [ReclaimRequest("owner", 2)])
     assert "small" in plan.placements and plan.preemptions == ()
+
+
+def test_a_job_larger_than_what_its_queue_is_owed_is_told_that_reclaim_stops_at_the_guarantee() -> None:
+    # as with gpuorch up: prod (guarantee 8) holds 4 and waits with an 8-GPU job; research borrowed 20 of 24.
+    # Reclaim lifts prod only to 8 (owed 4), so nothing is evicted; the reason said only "largest free block is 4"
+    c = cluster(node("n1").gpus(8), node("n2").gpus(8), node("n3").gpus(8))
+    for i, n in enumerate(("n1", "n1", "n2", "n2", "n3")):
+        c.running(job(f"r{i}").gpus(4).queue("research").build(), on=[(n, [4 * ((i + 1) % 2) + g for g in range(4)])],
+                  job_id=f"r{i}")
+    c.running(job("p1").gpus(4).queue("prod").build(), on=[("n3", [0, 1, 2, 3])], job_id="p1")
+    c.pending(job("p2").gpus(8).queue("prod").build(), "p2")
+    ent, floors = {"prod": 12, "research": 12}, {"prod": 8, "research": 8}
+    owed = reclaim_requests({"prod": QueueSpec(guaranteed=GpuAmount(gpus=8)),
+                             "research": QueueSpec(guaranteed=GpuAmount(gpus=8))},
+                            {"prod": 4, "research": 20}, {"prod": 8}, ent, {"prod": 8})
+    assert owed == [], "owed 4, less than the smallest waiting job: no request"
+
+    plan = run_cycle(c.snapshot(now=100, entitlements=ent, floors=floors), Policy(preempt=False), 100, owed)
+
+    assert plan.preemptions == ()
+    assert plan.unschedulable["p2"].endswith(
+        "; its queue prod holds 4 of the 8 GPUs guaranteed to it, and reclaim takes back at most the 4 that lift it to "
+        "that, not this job's 8"), plan.unschedulable["p2"]
+    c.pending(job("p3").gpus(4).queue("prod").build(), "p3", at=1)  # one that fits what is owed gets the reclaim
+    plan = run_cycle(c.snapshot(now=100, entitlements=ent, floors=floors), Policy(preempt=False), 100,
+                     [ReclaimRequest("prod", 4)])
+    assert len(plan.preemptions) == 1 and "reclaimed for queue prod" in plan.unschedulable["p3"]
+    assert "takes back at most" not in plan.unschedulable["p3"] and "takes back at most" in plan.unschedulable["p2"]
+    at_guarantee = {"prod": 4, "research": 8}  # prod's guarantee 4: it holds it
+    plan = run_cycle(c.snapshot(now=100, entitlements=ent, floors=at_guarantee), Policy(preempt=False), 100, [])
+    assert "takes back at most" not in plan.unschedulable["p2"], "a queue at its guarantee is owed nothing"
 
 
 def test_a_job_that_got_room_by_priority_preemption_gets_no_reclaim_victims_too() -> None:

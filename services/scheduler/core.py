@@ -17,7 +17,7 @@ from services.scheduler.gang import GangFit, capacity, place_gang
 from services.scheduler.placement import NodeScorer
 from services.scheduler.plan import Placement, Plan, Policy, Preemption, ReclaimRequest, Reservation
 from services.scheduler.preemption import VictimSearch, lost_gpu_seconds
-from services.scheduler.reasons import explain, held_back
+from services.scheduler.reasons import explain, held_back, reason_class
 from services.scheduler.shapes import TaskShape
 from services.scheduler.snapshot import PendingJob, RunningJob, Snapshot
 from services.scheduler.workstate import LONG, NOW, Footprint, WorkState
@@ -457,15 +457,16 @@ class Cycle:
         """A waiting job of a queue under its guarantee that is larger than the GPUs still owed to that queue gets
         no evictions (reclaim lifts a queue to its guarantee, never above it, as Kueue's reclaimWithinCohort):
         say so, or its reason reads as if the guarantee were ignored."""
-        if self.snap.floors is None:
+        floors = self.snap.floors
+        if floors is None:
             return
         for job, _ in self.waiting:
+            floor, have = floors.get(job.queue, 0.0), self.allocated.get(job.queue, 0.0)
+            if have >= floor - EPS or (size := self.share(job.spec)) <= floor - have + EPS:
+                continue  # the queue is owed nothing, or this job fits what it is owed
             why = self.unschedulable.get(job.job_id)
-            floor, have, size = self.snap.floors.get(job.queue, 0.0), self.allocated.get(job.queue, 0.0), \
-                self.share(job.spec)
-            if why is None or "reclaim" in why or "; its queue " in why or have >= floor - EPS \
-                    or size <= floor - have + EPS:
-                continue  # placed, evicted for, told why reclaim found no victims, or within what is owed
+            if why is None or "reclaim" in why or "; its queue " in why or reason_class(why) == "never fits":
+                continue  # evicted for, told why reclaim found no victims, or it fits nowhere anyway
             self.unschedulable[job.job_id] = (
                 f"{why}; its queue {job.queue} holds {have:g} of the {floor:g} GPUs guaranteed to it, and reclaim "
                 f"takes back at most the {floor - have:g} that lift it to that, not this job's {size:g}")

@@ -540,6 +540,9 @@ def test_a_job_larger_than_what_its_queue_is_owed_is_told_that_reclaim_stops_at_
                      [ReclaimRequest("prod", 4)])
     assert len(plan.preemptions) == 1 and "reclaimed for queue prod" in plan.unschedulable["p3"]
     assert "takes back at most" not in plan.unschedulable["p3"] and "takes back at most" in plan.unschedulable["p2"]
+    c.pending(job("huge").gpus(16).queue("prod").build(), "huge", at=2)  # fits no node: reclaim is beside the point
+    plan = run_cycle(c.snapshot(now=100, entitlements=ent, floors=floors), Policy(preempt=False), 100, [])
+    assert "can never" in plan.unschedulable["huge"] and "takes back" not in plan.unschedulable["huge"]
     at_guarantee = {"prod": 4, "research": 8}  # prod's guarantee 4: it holds it
     plan = run_cycle(c.snapshot(now=100, entitlements=ent, floors=at_guarantee), Policy(preempt=False), 100, [])
     assert "takes back at most" not in plan.unschedulable["p2"], "a queue at its guarantee is owed nothing"

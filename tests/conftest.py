@@ -53,6 +53,20 @@ async def _wipe(url: str) -> None:
     await nc.close()
 
 
+_branch_shares: list[str] = []  # tables of the scheduling properties (tests/scheduler/test_core_properties.py)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _branch_shares.extend(table for name, table in report.user_properties if name == "branch shares")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _branch_shares:
+        terminalreporter.section("branch shares of the scheduling properties")
+        for table in _branch_shares:
+            terminalreporter.write_line(table)
+
+
 @pytest.fixture(autouse=True)
 def _examples_independent_of_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Derandomized Hypothesis examples that do not depend on which modules the process imported.

@@ -377,6 +377,9 @@ def reached(s: Scenario) -> set[str]:
     return labels
 
 
+BRANCH_SHARES = "branch shares"  # the name of the report property conftest.py prints
+
+
 class Shares:
     """How often each branch was reached over one property's examples, per kind of scenario."""
 
@@ -417,29 +420,13 @@ class Shares:
         assert not short, f"branches reached too rarely: {short}\n{self.table()}"
 
 
-class ShareReport:
-    """Writes every property's branch shares to the terminal summary."""
-
-    def __init__(self) -> None:
-        self.tables: list[str] = []
-
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        if self.tables:
-            terminalreporter.section("branch shares of the scheduling properties")
-            for t in self.tables:
-                terminalreporter.write_line(t)
-
-
 @pytest.fixture
 def shares(request):
-    plugins = request.config.pluginmanager
-    report = plugins.get_plugin("gpuorch-branch-shares")
-    if report is None:
-        report = ShareReport()
-        plugins.register(report, "gpuorch-branch-shares")
+    """Each property's branch shares, also for the terminal summary (tests/conftest.py): as a property of the test's
+    report, which pytest-xdist carries from its worker to the session that prints."""
     counted = Shares(request.node.name)
     yield counted
-    report.tables.append(counted.table())
+    request.node.user_properties.append((BRANCH_SHARES, counted.table()))
     print(counted.table())
 
 

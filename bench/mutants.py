@@ -184,6 +184,12 @@ RULES: dict[str, Rule] = {
         "a waiting job of a queue owed GPUs, for which reclaim may evict nothing, says so after the room it lacks; "
         "no other job's reason changes", ("tests/scheduler/test_rules_evictions.py",
                                           "tests/scheduler/test_core_properties.py")),
+    "a job too large for what its queue is owed told so": Rule(
+        "a waiting job of a queue under its guarantee that is larger than what the queue is owed says that reclaim "
+        "stops at the guarantee; not a job reclaim serves or explained, nor one that fits no node", (CORE_T, PROPS)),
+    "what a user reads": Rule(
+        "squeue's -t all and -u USER, show's events with an earlier attempt's task marked, an array's logs naming "
+        "its elements", ("tests/jobfiles/test_cli_slurm.py", "tests/test_arrays_stack.py")),
     "one delivery per reacting service": Rule("in one process, only the services with a reaction consume the log; "
                                               "the others ride on their folds, and each watch sees an event once",
                                               ("tests/test_fold_once.py",)),
@@ -760,6 +766,24 @@ MUTANTS: tuple[Mutant, ...] = (
       "if key is None or not reached or time.monotonic() >= deadline:", "if True:"),
     M("reports-sent-while-the-bus-is-away", "reports in task order", "services/inventory/outbox.py",
       "if not evlog.nc.is_connected:", "if False:"),
+    M("guarantee-note-dropped", "a job too large for what its queue is owed told so", CORE,
+      "    cycle.explain_guarantees()\n", ""),
+    M("guarantee-note-for-a-queue-owed-nothing", "a job too large for what its queue is owed told so", CORE,
+      "if have >= floor - EPS or (size := self.share(job.spec)) <= floor - have + EPS:",
+      "if (size := self.share(job.spec)) <= floor - have + EPS:"),
+    M("guarantee-note-for-a-job-within-what-is-owed", "a job too large for what its queue is owed told so", CORE,
+      "if have >= floor - EPS or (size := self.share(job.spec)) <= floor - have + EPS:",
+      "if have >= floor - EPS or (size := self.share(job.spec)) < 0:"),
+    M("guarantee-note-for-a-job-that-fits-nowhere", "a job too large for what its queue is owed told so", CORE,
+      ' or reason_class(why) == "never fits":', ":"),
+    M("jobs-u-ignored", "what a user reads", "services/cli.py",
+      "rows = list_jobs(url, queue, states, limit + 1, user)", "rows = list_jobs(url, queue, states, limit + 1)"),
+    M("state-all-refused", "what a user reads", "services/cli.py", '    "ALL": JOB_STATES,\n', ""),
+    M("earlier-attempt-unmarked", "what a user reads", "services/cli.py",
+      'if d.get("attempt") not in (None, attempt):', "if False:"),
+    M("array-logs-no-job", "what a user reads", "services/scheduler/api.py",
+      "if job_id not in proj.jobs and (members := elements(job_id, p)):  # an array has no output of its own",
+      "if False and (members := []):"),
     M("dead-agents-left-dead", "agents supervised", "services/stack.py",
       "if self.stopping or child.alive():", "if True:"),
     M("a-crash-loop-restarted-at-once", "agents supervised", "services/stack.py",

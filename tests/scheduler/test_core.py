@@ -536,6 +536,8 @@ def test_a_job_larger_than_what_its_queue_is_owed_is_told_that_reclaim_stops_at_
         "; its queue prod holds 4 of the 8 GPUs guaranteed to it, and reclaim takes back at most the 4 that lift it to "
         "that, not this job's 8"), plan.unschedulable["p2"]
     c.pending(job("p3").gpus(4).queue("prod").build(), "p3", at=1)  # one that fits what is owed gets the reclaim
+    plan = run_cycle(c.snapshot(now=100, entitlements=ent, floors=floors), Policy(preempt=False), 100, [])
+    assert "takes back" not in plan.unschedulable["p3"], "not asked for yet (it has not waited long enough)"
     plan = run_cycle(c.snapshot(now=100, entitlements=ent, floors=floors), Policy(preempt=False), 100,
                      [ReclaimRequest("prod", 4)])
     assert len(plan.preemptions) == 1 and "reclaimed for queue prod" in plan.unschedulable["p3"]

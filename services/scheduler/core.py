@@ -465,8 +465,8 @@ class Cycle:
             if have >= floor - EPS or (size := self.share(job.spec)) <= floor - have + EPS:
                 continue  # the queue is owed nothing, or this job fits what it is owed
             why = self.unschedulable.get(job.job_id)
-            if why is None or "reclaim" in why or "; its queue " in why or reason_class(why) == "never fits":
-                continue  # evicted for, told why reclaim found no victims, or it fits nowhere anyway
+            if why is None or "; its queue " in why or reason_class(why) in ("evictions", "never fits"):
+                continue  # told why reclaim found no victims, room made by preemption or reclaim, or it fits nowhere
             self.unschedulable[job.job_id] = (
                 f"{why}; its queue {job.queue} holds {have:g} of the {floor:g} GPUs guaranteed to it, and reclaim "
                 f"takes back at most the {floor - have:g} that lift it to that, not this job's {size:g}")

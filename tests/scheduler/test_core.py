@@ -550,6 +550,23 @@ def test_a_job_larger_than_what_its_queue_is_owed_is_told_that_reclaim_stops_at_
     assert "takes back at most" not in plan.unschedulable["p2"], "a queue at its guarantee is owed nothing"
 
 
+def test_a_job_that_priority_preemption_makes_room_for_gets_no_guarantee_note() -> None:
+    # prod (floor 8) holds 4 as one low-priority job and waits with a high-priority 8-GPU job; 4 GPUs are free
+    # beside its job: evicting its own job makes the room, so its reason says that, not that reclaim stops at the guarantee
+    c = cluster(node("n1").gpus(8), node("n2").gpus(8), node("n3").gpus(8))
+    for i, n in enumerate(("n1", "n1", "n2", "n2")):
+        c.running(job(f"r{i}").gpus(4).queue("research").build(), on=[(n, [4 * (i % 2) + g for g in range(4)])],
+                  job_id=f"r{i}")
+    c.running(job("p1").gpus(4).priority("low").queue("prod").build(), on=[("n3", [0, 1, 2, 3])], job_id="p1")
+    c.pending(job("p2").gpus(8).priority("high").queue("prod").build(), "p2")
+
+    plan = run_cycle(c.snapshot(now=100, entitlements={"prod": 12, "research": 12},
+                                floors={"prod": 8, "research": 8}), Policy(), 100, [])
+
+    assert "preemption of" in plan.unschedulable["p2"], plan.unschedulable["p2"]
+    assert "takes back at most" not in plan.unschedulable["p2"], plan.unschedulable["p2"]
+
+
 def test_a_job_that_got_room_by_priority_preemption_gets_no_reclaim_victims_too() -> None:
     c = cluster(node("n1").gpus(8), node("n2").gpus(8))
     c.running(job("olow").gpus(8).priority("low").queue("owner").build(), on=[("n1", list(range(8)))], job_id="olow")

@@ -176,6 +176,9 @@ RULES: dict[str, Rule] = {
         "POST /v1/jobs:cancel cancels only what the caller may cancel, says why it skipped the rest, never shows a "
         "job the caller cannot see, and appends in batches; a cancellation folded after its job ended is late, "
         "not invalid", ("tests/test_bulk_cancel.py", "tests/jobfiles/test_cli_slurm.py", "tests/test_verify.py")),
+    "a large batch waits for its own fold": Rule(
+        "the answer to a request that appended many events waits for their fold longer than one job's before its "
+        "503", ("tests/test_batch_submit.py",)),
     "a task's end says how": Rule(
         "a task a signal ended keeps the signal (minus it) in its job's task exits, and the CLI names it, also as "
         "the job's exit when no task failed with a code",
@@ -660,6 +663,9 @@ MUTANTS: tuple[Mutant, ...] = (
       '                if True:\n                    cancelled.append(job_id)'),
     M("empty-states-mean-any", "one cancel for many, as for one", "services/scheduler/api.py",
       "Field(default=None, min_length=1,  # empty is not", "Field(default=None,  # empty is not"),
+    M("a-batch-waits-as-one-job", "a large batch waits for its own fold", "services/scheduler/api.py",
+      "await svc.caught_up(seqs[-1], fold_wait_s(svc, len(envs)), advice=",
+      "await svc.caught_up(seqs[-1], None, advice="),
     M("a-signal-folded-as-null", "a task's end says how", "shared/cluster.py",
       "            job.tasks_exited[e.task] = e.code if e.code is not None or e.signal is None else -e.signal",
       "            job.tasks_exited[e.task] = e.code"),

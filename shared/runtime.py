@@ -51,7 +51,7 @@ class NotCaughtUp(api_errors.Unavailable):
 
     def __init__(self, service: str, folded: int, wanted: int, timeout: float, advice: str = "retry") -> None:
         super().__init__(f"the {service} service has not caught up with the log (seq {folded} < {wanted}) within "
-                         f"{timeout:g} s; {advice}")
+                         f"{timeout:.2g} s; {advice}")
         self.service, self.folded, self.wanted = service, folded, wanted
 
 

@@ -115,7 +115,15 @@ class JobRequest(JobSpec):
 
 MAX_CANCEL_IDS = 100_000  # job or array ids in one POST /v1/jobs:cancel
 CANCEL_CHUNK = 1_000  # cancellations appended at once
-CANCEL_FOLDS_PER_S, CANCEL_WAIT_MAX_S = 2_000, 20.0  # the answer waits for the fold longer the more it cancelled
+# an answer that appended n events waits catch_up_timeout_s + n / FOLDS_PER_S (at most FOLD_WAIT_MAX_S) for their
+# fold before its 503: 2,000 events fold in 0.25-0.55 s on 2 cores, several times slower in the slowest hours, when a
+# flat 2 s failed 1,000-job batches that were fine
+FOLDS_PER_S, FOLD_WAIT_MAX_S = 500, 20.0
+
+
+def fold_wait_s(svc: Service, events: int) -> float:
+    """How long an answer waits for the fold of the ``events`` its request appended."""
+    return min(FOLD_WAIT_MAX_S, svc.catch_up_timeout_s + events / FOLDS_PER_S)
 
 
 class CancelRequest(Frozen):
@@ -428,7 +436,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         what = f"{'array' if accepted[0][0].array else 'job'} {made[0][0]} is" if len(made) == 1 else \
             f"the batch's {len(made)} jobs ({made[0][0]} to {made[-1][0]}) are"
         if seqs:
-            await svc.caught_up(seqs[-1], advice=f"{what} recorded: read it with GET /v1/jobs/{made[0][0]} rather "
+            await svc.caught_up(seqs[-1], fold_wait_s(svc, len(envs)), advice=f"{what} recorded: read it with GET /v1/jobs/{made[0][0]} rather "
                                                  "than submitting it again")
         return [answer(req, spec, warnings, base, p.user) for (req, spec, warnings), (base, _) in zip(accepted, made)]
 
@@ -564,7 +572,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         if seq:
             scheduler.wake.set()
             # folding them takes a while (20,000 cancellations: 3-4 s on 2 cores): the wait grows with their number
-            await svc.caught_up(seq, min(CANCEL_WAIT_MAX_S, svc.catch_up_timeout_s + len(envs) / CANCEL_FOLDS_PER_S),
+            await svc.caught_up(seq, fold_wait_s(svc, len(envs)),
                                 advice="the cancellations are recorded and take effect as the scheduler catches up: "
                                        "GET /v1/jobs shows them; sent again, nothing is cancelled twice")
             for env in envs:  # a job that ended while the request ran was not cancelled: its cancellation came late

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Request
@@ -42,6 +43,8 @@ WHY = {
     403: "the caller's role, groups or the queue's max_priority do not allow this",
     404: "no such object, or one the caller may not see (the same answer)",
     409: "the current state does not allow this (the reason says what to do first)",
+    415: "the body's Content-Type is not one the route reads: JSON (POST /v1/jobs also reads YAML and sbatch "
+         "scripts)",
     413: f"the request body is larger than the server's max_body_bytes (default {MAX_BODY_BYTES} bytes)",
     422: "a field, parameter or combination the server refuses, with the reason",
     429: "the caller submits faster than its rate (Retry-After says when to try again)",
@@ -61,7 +64,7 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 def route_errors(method: str, path: str, operation: dict[str, Any]) -> list[int]:
     """The 4xx any operation can answer, from what it is: non-public (401, 403), looking up path ids (404),
-    sent with a body (413), taking a JSON body (400, 422) or parameters (422)."""
+    sent with a body (413), taking a JSON body (400, 415, 422) or parameters (422)."""
     codes = []
     if ROUTE_ROLES.get((method, path)) not in (PUBLIC, FORWARDED):
         codes += [401, 403, 503]
@@ -70,7 +73,7 @@ def route_errors(method: str, path: str, operation: dict[str, Any]) -> list[int]
     if method in ("POST", "PUT", "PATCH"):
         codes.append(413)
     if "requestBody" in operation:
-        codes.append(400)
+        codes += [400, 415]
     if "requestBody" in operation or operation.get("parameters"):
         codes.append(422)
     return codes
@@ -126,7 +129,21 @@ def _shown(error: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _unread_body(request: Request, errors: Sequence[Any]) -> str | None:
+    """Why the body was refused if the route never read it as JSON: sent with another Content-Type (``curl -d``
+    sends a form's), it reaches the model as text, which the model refuses as 'not a dictionary'."""
+    mime = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if mime in ("", "application/json") or mime.endswith("+json"):
+        return None
+    if not any(tuple(e.get("loc", ())) == ("body",) and isinstance(e.get("input"), (str, bytes)) for e in errors):
+        return None
+    return (f"the body was sent as {mime}, which {request.method} {request.url.path} does not read: send JSON with "
+            "Content-Type: application/json (curl -d sends a form: add -H 'Content-Type: application/json')")
+
+
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    if (why := _unread_body(request, exc.errors())) is not None:
+        return JSONResponse({"detail": why}, status_code=415)
     return JSONResponse({"detail": jsonable_encoder(_json_safe([_shown(e) for e in exc.errors()]))}, status_code=422)
 
 

@@ -13,9 +13,13 @@ from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
-from services.jobfiles import Context, JobFileError, is_manifest, load_documents, parse_documents
+from services.jobfiles import (Context, JobFileError, Loaded, is_manifest, is_sbatch, load_documents, load_text,
+                               parse_documents)
 
 YAML = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "application/vnd.kubernetes+yaml"}
+SHELL = {"text/x-shellscript", "application/x-shellscript", "application/x-sh", "text/x-sh"}  # an sbatch script
+READ = ("a JobRequest or a Kubernetes manifest as JSON (Content-Type: application/json) or YAML (application/yaml), "
+        "or an sbatch script (text/x-shellscript)")
 
 
 def manifest_route(context: Callable[[], Context], path: str = "/v1/jobs") -> type[APIRoute]:
@@ -38,25 +42,40 @@ def manifest_route(context: Callable[[], Context], path: str = "/v1/jobs") -> ty
     return ManifestRoute
 
 
-def _docs(request: Request, body: bytes) -> list[Any] | None:
-    """The body's documents if it is YAML or a JSON manifest; None to leave it to the route as it is."""
-    mime = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if mime in YAML:
-        try:
-            text = body.decode()
-        except UnicodeDecodeError:
-            raise HTTPException(400, "the body is not UTF-8 text") from None
-        try:
-            return parse_documents(text, "the request body")
-        except JobFileError as e:
-            raise HTTPException(422, str(e)) from None
-    if mime not in ("", "application/json") and not mime.endswith("+json"):
-        return None
+def _text(body: bytes) -> str:
     try:
-        doc = json.loads(body)
-    except ValueError:
-        return None  # the route says why
-    return parse_documents(body.decode(), "the request body", as_json=True) if is_manifest(doc) else None
+        return body.decode()
+    except UnicodeDecodeError:
+        raise HTTPException(400, "the body is not UTF-8 text") from None
+
+
+def _loaded(request: Request, body: bytes, context: Callable[[], Context]) -> Loaded | None:
+    """The body's jobs if it is YAML, an sbatch script or a JSON manifest; None to leave it to the route as it is
+    (a JobRequest or a list of them, in JSON). Another Content-Type is 415: ``curl -d`` sends a form's."""
+    mime = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    try:
+        if mime in SHELL:
+            text = _text(body)
+            if not is_sbatch(text):
+                raise JobFileError("the body is not an sbatch script: it starts with no #! line and holds no "
+                                   "#SBATCH line")
+            return load_text(text, "sbatch", context())
+        if mime in YAML:
+            docs = parse_documents(_text(body), "the request body")
+        elif mime in ("", "application/json") or mime.endswith("+json"):
+            try:
+                doc = json.loads(body)
+            except ValueError:
+                return None  # the route says why
+            if not is_manifest(doc):
+                return None
+            docs = parse_documents(body.decode(), "the request body", as_json=True)
+        else:
+            raise HTTPException(415, f"the body was sent as {mime}, which POST /v1/jobs does not read: send {READ} "
+                                     "(curl -d sends a form: add -H 'Content-Type: application/json')")
+        return load_documents(docs, "the request body", context())
+    except JobFileError as e:
+        raise HTTPException(422, str(e)) from None
 
 
 def untagged(err: dict[str, Any]) -> dict[str, Any]:
@@ -70,13 +89,9 @@ def untagged(err: dict[str, Any]) -> dict[str, Any]:
 
 async def as_job_request(request: Request, context: Callable[[], Context]) -> Request:
     body = await request.body()
-    docs = _docs(request, body) if body else None
-    if docs is None:
+    loaded = _loaded(request, body, context) if body else None
+    if loaded is None:
         return request
-    try:
-        loaded = load_documents(docs, "the request body", context())
-    except JobFileError as e:
-        raise HTTPException(422, str(e)) from None
     if not loaded.jobs:
         raise HTTPException(422, "the body holds no job")
     body_notes = [*loaded.notes, *(f"{q.origin}: a queue is applied with PUT /v1/queues/{q.path} (gpuorch queues "

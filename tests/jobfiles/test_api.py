@@ -136,3 +136,48 @@ async def test_a_dry_run_answers_the_spec_warnings_and_placement_now_and_appends
         plan = (await client.post("/v1/jobs?dry_run=true", json=spread)).json()
         assert plan["placed_now"] is False and "1 on each of 2 nodes" in plan["reason"], plan
         assert await eventlog.last_seq() == before
+
+
+SBATCH = """#!/bin/bash
+#SBATCH --job-name=sweep
+#SBATCH --gres=gpu:2
+#SBATCH --time=00:10:00
+#SBATCH --export=HOME
+srun python train.py
+"""
+
+
+async def test_an_sbatch_script_posted_as_a_shell_script_is_submitted_as_the_job_it_means(eventlog):
+    """curl --data-binary @job.sbatch -H 'Content-Type: text/x-shellscript': the script, translated on the server as
+    `gpuorch submit job.sbatch` does, with its warnings; the server's environment never reaches the job."""
+    async with in_process_stack(eventlog) as (client, _):
+        await setup(eventlog, client)
+        for mime in ("text/x-shellscript", "application/x-sh"):
+            r = await client.post("/v1/jobs", content=SBATCH, headers={"content-type": mime})
+            assert r.status_code == 201, r.text
+            job = r.json()
+            assert (job["name"], job["spec"]["resources"]["gpus"], job["spec"]["time_limit_s"]) == ("sweep", 2, 600)
+            assert job["spec"]["command"][:2] == ["/bin/bash", "-c"] and "srun python train.py" in job["spec"]["command"][2]
+            assert job["spec"]["env"] == {} and any("HOME is not set" in w for w in job["warnings"]), job["warnings"]
+        r = await client.post("/v1/jobs", content="just words\n", headers={"content-type": "text/x-shellscript"})
+        assert r.status_code == 422 and "#!" in r.json()["detail"], r.text
+
+
+async def test_a_body_of_a_content_type_the_route_does_not_read_is_415_saying_which_it_reads(eventlog):
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded: the JSON was answered 422 'Input should be a
+    valid dictionary', echoing the JSON it had not read. Now 415, naming the header to send; nothing appended."""
+    async with in_process_stack(eventlog) as (client, _):
+        await setup(eventlog, client)
+        before = await quiet(eventlog)
+        body = json.dumps({"name": "x", "command": ["true"]})
+        for mime in ("application/x-www-form-urlencoded", "text/plain"):
+            r = await client.post("/v1/jobs", content=body, headers={"content-type": mime})
+            assert r.status_code == 415, r.text
+            detail = r.json()["detail"]
+            assert mime in detail and "Content-Type: application/json" in detail and "text/x-shellscript" in detail
+            r = await client.put("/v1/queues/vision", content=json.dumps({"guaranteed": {"gpus": 1}}),
+                                 headers={"content-type": mime})
+            assert r.status_code == 415 and "Content-Type: application/json" in r.json()["detail"], r.text
+        assert await eventlog.last_seq() == before
+        r = await client.post("/v1/jobs", content=body, headers={"content-type": "application/json; charset=utf-8"})
+        assert r.status_code == 201, r.text

@@ -190,6 +190,10 @@ RULES: dict[str, Rule] = {
     "a job too large for what its queue is owed told so": Rule(
         "a waiting job of a queue under its guarantee that is larger than what the queue is owed says that reclaim "
         "stops at the guarantee; not a job reclaim serves or explained, nor one that fits no node", (CORE_T, PROPS)),
+    "what a body is read as": Rule(
+        "POST /v1/jobs reads sbatch scripts; a body of a Content-Type a route does not read is 415, not a 422 about "
+        "its fields; a gang that could span GPU models is told so",
+        ("tests/jobfiles/test_api.py", "tests/test_gang_models.py")),
     "what a user reads": Rule(
         "squeue's -t all and -u USER, show's events with an earlier attempt's task marked, an array's logs naming "
         "its elements", ("tests/jobfiles/test_cli_slurm.py", "tests/test_arrays_stack.py")),
@@ -663,6 +667,16 @@ MUTANTS: tuple[Mutant, ...] = (
       '                if True:\n                    cancelled.append(job_id)'),
     M("empty-states-mean-any", "one cancel for many, as for one", "services/scheduler/api.py",
       "Field(default=None, min_length=1,  # empty is not", "Field(default=None,  # empty is not"),
+    M("a-form-body-read-as-fields", "what a body is read as", "shared/api_errors.py",
+      "    if (why := _unread_body(request, exc.errors())) is not None:", "    if False:"),
+    M("an-sbatch-body-left-to-the-route", "what a body is read as", "services/scheduler/jobinput.py",
+      "        if mime in SHELL:", "        if False:"),
+    M("a-gang-across-models-unsaid", "what a body is read as", "services/scheduler/api.py",
+      "if len(models) > 1 else []", "if len(models) > 9 else []"),
+    M("a-gang-models-memory-unread", "what a body is read as", "services/scheduler/api.py",
+      "if g.memory_mib >= need[1] and (parse_cc", "if (parse_cc"),
+    M("a-pinned-gang-warned", "what a body is read as", "services/scheduler/api.py",
+      "or spec.gpu.models or spec.gpu.mig:", "or spec.gpu.mig:"),
     M("a-batch-waits-as-one-job", "a large batch waits for its own fold", "services/scheduler/api.py",
       "await svc.caught_up(seqs[-1], fold_wait_s(svc, len(envs)), advice=",
       "await svc.caught_up(seqs[-1], None, advice="),

@@ -18,6 +18,7 @@ from services.scheduler.admission import admission_error
 from services.scheduler.decide import decide
 from services.scheduler.dryrun import place_now
 from services.scheduler.jobinput import manifest_route
+from services.scheduler.shapes import parse_cc
 from shared import events as ev
 from shared.agentctl import AgentError, LogRequest, ask
 from shared.api_errors import errors, path_id
@@ -267,6 +268,36 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             out.append(judged[shape])
         return out
 
+    gang_models: dict[tuple[int, int, str | None], tuple[str, ...]] = {}  # by the task's ask, at shape_version
+    gang_models_at = [-1]
+
+    def models_for(spec: JobSpec) -> tuple[str, ...]:
+        """The GPU models of which some node holds enough GPUs for one task of ``spec`` (by count, memory and
+        compute capability), kept while the cluster's shape stays."""
+        if proj.shape_version != gang_models_at[0] or len(gang_models) > 256:
+            gang_models.clear()
+            gang_models_at[0] = proj.shape_version
+        need = (math.ceil(spec.resources.gpus), spec.gpu.min_memory_mib, spec.gpu.min_compute_capability)
+        if (found := gang_models.get(need)) is None:
+            cc = parse_cc(need[2]) or (0, 0)
+            models: set[str] = set()
+            for node in proj.nodes.values():
+                counts: dict[str, int] = {}
+                for g in node.info.gpus:
+                    if g.memory_mib >= need[1] and (parse_cc(g.compute_capability) or (0, 0)) >= cc:
+                        counts[g.model] = counts.get(g.model, 0) + 1
+                models.update(m for m, n in counts.items() if n >= need[0])
+            found = gang_models[need] = tuple(sorted(models))
+        return found
+
+    def gang_warning(spec: JobSpec) -> list[str]:
+        """A gang that names no model may be placed across models (as Slurm and Kubernetes would): say so."""
+        if spec.tasks < 2 or spec.resources.gpus <= 0 or spec.gpu.models or spec.gpu.mig:
+            return []
+        models = models_for(spec)
+        return [f"its {spec.tasks} tasks may be placed on different GPU models ({', '.join(models)}): pin one with "
+                "--model (gpu.models)"] if len(models) > 1 else []
+
     def refusal(spec: JobSpec, p: Principal, why: str | None) -> tuple[JobSpec, list[str], tuple[int, str] | None]:
         """The spec with its dependencies resolved, their warnings, and why it is refused (status, detail) or None:
         it could never run (``why``, its admission error: 422), or this caller may not submit it (403)."""
@@ -280,7 +311,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             spec = spec.model_copy(update={"dependencies": deps})
         if denied := submit_error(p, proj.queues, spec):
             return spec, warnings, (403, denied)
-        return spec, warnings, None
+        return spec, [*warnings, *gang_warning(spec)], None
 
     def preview(spec: JobSpec, p: Principal, refused: tuple[int, str] | None, warnings: list[str]) -> dict[str, Any]:
         """What POST without dry_run would do, appending nothing: refused (status, why), or where it goes now."""

@@ -771,7 +771,7 @@ def job_lines(job: dict[str, Any], now: float) -> list[tuple[str, str]]:
             lines.append(("gpu", ", ".join(f"{k} {' or '.join(v) if isinstance(v, list) else v}"
                                            for k, v in spec["gpu"].items() if v)))
     for p in job.get("placement") or []:
-        lines.append((f"task {p['task']}", f"node {p['node']}, {len(p['gpus'])} GPU(s) {','.join(p['gpus'])}"))
+        lines.append((f"task {p['task']}", f"node {p['node']}, {len(p['gpus'])} GPU(s): {gpu_list(p)}"))
     if job.get("nodes"):
         lines.append(("nodes", job["nodes"]))
     lines.append(("exit code", "-" if code is None else _exit_text(code)))
@@ -827,6 +827,23 @@ def show(job_id: Annotated[str, typer.Argument()], url: UrlOpt = DEFAULT_URL, as
 
 
 SHOWN_EVENTS = 20  # a job's latest events `gpuorch show` prints
+
+
+def gpu_list(placed: dict[str, Any]) -> str:
+    """A task's GPUs by their index on the node, in ranges as Slurm's IDX:0-3,6; by the start of their UUID where
+    an index is unknown (a MIG slice, a node gone since); a shared GPU with its share."""
+    indexes = placed.get("indexes") or [None] * len(placed["gpus"])
+    shares = placed.get("shares") or [1000] * len(placed["gpus"])
+    share = "" if all(m == 1000 for m in shares) else f" ({', '.join(f'{m / 1000:g}' for m in shares)} of a GPU)"
+    if None in indexes:
+        return ", ".join(uuid[:12] for uuid in placed["gpus"]) + share
+    runs: list[list[int]] = []
+    for i in sorted(indexes):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) + share
 
 
 def history_line(e: dict[str, Any], attempt: int = 0) -> str:

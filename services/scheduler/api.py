@@ -541,7 +541,12 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         if job_id not in proj.jobs:
             return archived(job_id, p)
         job = known(job_id, p)
-        return {**view(job), **({"estimated_start": estimated_start(job)} if estimate else {})}
+        shown = view(job)
+        for placed in shown["placement"]:  # each GPU's index on its node, as nvidia-smi and Slurm's IDX name it
+            node = proj.nodes.get(placed["node"])
+            index = {g.uuid: g.index for g in node.info.gpus} if node is not None else {}
+            placed["indexes"] = [index.get(uuid) for uuid in placed["gpus"]]
+        return {**shown, **({"estimated_start": estimated_start(job)} if estimate else {})}
 
     @r.delete("/v1/jobs/{job_id}", responses=errors(409))
     async def cancel(job_id: JobIdPath, p: Caller) -> dict[str, Any]:

@@ -79,7 +79,7 @@ async def test_jobs_s_takes_slurm_codes_and_show_tells_exit_codes_reasons_and_th
                                                          "job.task_started", "job.task_exited", "job.failed"], out
         assert history[4].split(None, 2)[2] == "task 0 on a: code 3" and "task 0 exited with code 3" in history[5], out
         assert lines["command"].strip() == "sh -c 'exit 3'" and lines["state"].strip() == "failed", out
-        assert lines["task 0"].strip().startswith("node a, 1 GPU(s)"), out
+        assert lines["task 0"].strip() == "node a, 1 GPU(s): 0", out
         assert lines["time limit"].strip() == "none" and lines["retries"].strip() == "0 of 0", out
         code, out = await gpuorch("show", hog)
         assert "00:10:00" in out and "hog" in out, "a bare -t is minutes, as Slurm's --time; -J names the job"
@@ -155,6 +155,16 @@ def test_show_and_jobs_name_the_signal_that_ended_a_task():
     # a task killed after its peer had ended cleanly: the job's exit is the kill, not the peer's 0
     assert dict(cli.job_lines({**job, "task_exits": {"0": 0, "1": -9}}, 0.0))["exit code"] == "SIGKILL"
     assert dict(cli.job_lines({**job, "state": "succeeded", "task_exits": {"0": 0, "1": 0}}, 0.0))["exit code"] == "0"
+
+
+def test_show_names_a_task_s_gpus_by_index_in_ranges_else_by_the_start_of_their_uuid():
+    """It printed every full UUID, joined by commas, wrapped over three lines for an 8-GPU task."""
+    uuids = [f"GPU-{i:08x}-5a45-a896-ff26b982f551" for i in range(8)]
+    assert cli.gpu_list({"gpus": uuids, "indexes": list(range(8))}) == "0-7"
+    assert cli.gpu_list({"gpus": uuids[:5], "indexes": [6, 0, 1, 3, 2]}) == "0-3,6"
+    assert cli.gpu_list({"gpus": uuids[:1], "indexes": [4], "shares": [500]}) == "4 (0.5 of a GPU)"
+    assert cli.gpu_list({"gpus": uuids[:2], "indexes": [0, None]}) == "GPU-00000000, GPU-00000001"
+    assert cli.gpu_list({"gpus": uuids[:1]}) == "GPU-00000000"  # an API older than indexes
 
 
 def test_a_job_s_history_line_says_what_happened_and_marks_an_earlier_attempt_s_task():

@@ -991,7 +991,7 @@ QUEUE_FIELDS = ("guaranteed", "limit", "weight", "priority", "preempt_min_runtim
 @queues_app.command("set")
 def queues_set(
     name: Annotated[str, typer.Argument(help="the queue's path, e.g. research.nlp (created if new)")],
-    guarantee: Annotated[float | None, typer.Option("--guarantee", help="GPUs guaranteed")] = None,
+    guarantee: Annotated[float | None, typer.Option("--guarantee", "--guaranteed", help="GPUs guaranteed")] = None,
     limit: Annotated[str | None, typer.Option("--limit", help="GPUs at most, or none")] = None,
     weight: Annotated[float | None, typer.Option(help="share of what is left over, against its siblings")] = None,
     priority: Annotated[int | None, typer.Option(help="reclaim order: higher keeps its GPUs longer")] = None,

@@ -237,7 +237,7 @@ class Cycle:
             res = self.reserve(job) if self.policy.backfill else None
             if res is not None:
                 self.reservation = res
-                reason += f"; next in line: held on {', '.join(res.nodes)} from {_when(res.start, self.now)}"
+                reason += f"; next in line: held to start on {', '.join(res.nodes)} {_when(res.start, self.now)}"
             self.unschedulable[job.job_id] = reason
             if res is not None:
                 return
@@ -560,7 +560,7 @@ class Cycle:
 
 
 def _when(start: float, now: float) -> str:
-    return "when jobs without a time limit end" if math.isinf(start) else f"{max(0, int(start - now))} s from now"
+    return "when jobs without a time limit end there" if math.isinf(start) else f"in {max(0, int(start - now))} s"
 
 
 def run_cycle(

@@ -79,12 +79,13 @@ def _largest(ws: WorkState, sid: int, mode: str) -> str:
         if (b, -node.prio) > best[:2]:
             best = (b, -node.prio, node.node_id)
     n, _, where = best
+    kind = " of that kind" if s.models or s.min_memory_mib or s.min_cc or s.selector else ""
     if s.mig:
         return f"no {s.mig} slice is free" if n == 0 else f"{n} free {s.mig} slices on {where}"
     if s.milli < MILLI:
-        return "no GPU of that kind has room" if n == 0 else f"largest free share is {n / MILLI:g} of a GPU on {where}"
+        return f"no GPU{kind} has room" if n == 0 else f"largest free share is {n / MILLI:g} of a GPU on {where}"
     if n == 0:
-        return "no GPU of that kind is free"
+        return f"no GPU{kind} is free"
     return f"largest free block is {n} on {where}"
 
 
@@ -180,7 +181,8 @@ def held_back(job_id: str, start: float, now: float, nodes: Sequence[str], limit
         return f"the free capacity it fits is held for {job_id} on {where}, which waits for jobs without a time limit"
     wait = max(0, int(start - now))
     ask = "a time limit" if limit is None else f"a time limit under {wait} s (it has {limit} s)"
-    return f"the free capacity it fits is held for {job_id} on {where} from {wait} s from now; with {ask} it could backfill"
+    return f"the free capacity it fits is held for {job_id} on {where}, which starts there in {wait} s; with {ask} it " \
+           "could backfill"
 
 
 # --- which reasons the log records ---------------------------------------------------------------------------------

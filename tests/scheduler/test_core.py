@@ -272,8 +272,24 @@ def test_the_reason_names_the_largest_free_block() -> None:
 
     assert plan.unschedulable["big"] == (
         "needs 8 GPUs of model H100 in one NVLink domain; largest free block is 4 on n-3; "
-        "next in line: held on n-1 from 500 s from now"
+        "next in line: held to start on n-1 in 500 s"
     )
+
+
+def test_a_full_cluster_is_named_as_such_and_of_that_kind_only_for_a_job_that_asks_for_a_kind() -> None:
+    """'no GPU of that kind is free' was said to a job that asked for no kind of GPU at all."""
+    c = cluster(node("n1").gpus(8))
+    c.running(job("busy").gpus(8).build(), on=[("n1", list(range(8)))])
+    c.pending(job("any").gpus(8).build(), "any")
+    c.pending(job("h100").gpus(8).models("H100").build(), "h100")
+    c.pending(job("half").gpus(0.5).build(), "half")
+
+    plan = run_cycle(c.snapshot(now=100), now=100)
+
+    assert plan.unschedulable["any"] == ("needs 8 GPUs; no GPU is free; next in line: held to start on n1 when jobs "
+                                         "without a time limit end there")
+    assert plan.unschedulable["h100"].startswith("needs 8 GPUs of model H100; no GPU of that kind is free")
+    assert "no GPU has room" in plan.unschedulable["half"], plan.unschedulable["half"]
 
 
 def test_cpu_shortage_is_named_when_the_gpus_would_do() -> None:

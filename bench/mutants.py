@@ -190,6 +190,10 @@ RULES: dict[str, Rule] = {
     "a job too large for what its queue is owed told so": Rule(
         "a waiting job of a queue under its guarantee that is larger than what the queue is owed says that reclaim "
         "stops at the guarantee; not a job reclaim serves or explained, nor one that fits no node", (CORE_T, PROPS)),
+    "reclaim and allocation agree": Rule(
+        "a job that would take its queue above its entitlement is placed after every job that would not, so a job "
+        "evicted by reclaim does not take back the GPUs it was evicted for",
+        ("tests/scheduler/test_core.py", "tests/scheduler/test_core_properties.py")),
     "what a body is read as": Rule(
         "POST /v1/jobs reads sbatch scripts; a body of a Content-Type a route does not read is 415, not a 422 about "
         "its fields; a gang that could span GPU models is told so",
@@ -667,6 +671,8 @@ MUTANTS: tuple[Mutant, ...] = (
       '                if True:\n                    cancelled.append(job_id)'),
     M("empty-states-mean-any", "one cancel for many, as for one", "services/scheduler/api.py",
       "Field(default=None, min_length=1,  # empty is not", "Field(default=None,  # empty is not"),
+    M("borrowing-first", "reclaim and allocation agree", "services/scheduler/core.py",
+      "                borrowing.append(jobs[i])", "                yield jobs[i]"),
     M("a-form-body-read-as-fields", "what a body is read as", "shared/api_errors.py",
       "    if (why := _unread_body(request, exc.errors())) is not None:", "    if False:"),
     M("an-sbatch-body-left-to-the-route", "what a body is read as", "services/scheduler/jobinput.py",

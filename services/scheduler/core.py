@@ -98,7 +98,11 @@ class Cycle:
     # --- order --------------------------------------------------------------------------
 
     def order(self) -> Iterator[PendingJob]:
-        """Queues furthest below their entitlement first (by name without entitlements); then priority, then age."""
+        """Queues furthest below their entitlement first (by name without entitlements); then priority, then age.
+        A job that would take its queue above its entitlement (borrowing) comes after every job that would not,
+        as Kueue admits workloads that fit their nominal quota before those that borrow: placed first, it took
+        the GPUs a queue below its guarantee waited for, reclaim evicted it for them, and it came back first
+        again (six evictions in two seconds, until the thrashing guard stopped reclaim)."""
         by_queue: dict[str, list[PendingJob]] = {}
         for j in job_order(self.snap.pending):
             if j.job_id in self.cancellations:
@@ -117,13 +121,18 @@ class Cycle:
         heads = {q: 0 for q in by_queue}
         heap = [(share(q), q) for q in by_queue]
         heapq.heapify(heap)
+        borrowing: list[PendingJob] = []
         while heap:
             _, q = heapq.heappop(heap)
             jobs, i = by_queue[q], heads[q]
             heads[q] = i + 1
-            yield jobs[i]
+            if self.allocated.get(q, 0.0) + self.share(jobs[i].spec) > ent.get(q, 0.0) + EPS:
+                borrowing.append(jobs[i])
+            else:
+                yield jobs[i]
             if i + 1 < len(jobs):
                 heapq.heappush(heap, (share(q), q))
+        yield from borrowing
 
     # --- placing ------------------------------------------------------------------------
 

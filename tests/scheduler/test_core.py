@@ -530,6 +530,31 @@ def test_reclaim_never_lifts_the_owed_queue_above_what_it_is_owed_nor_evicts_for
     assert "small" in plan.placements and plan.preemptions == ()
 
 
+def test_a_job_that_would_borrow_comes_after_one_within_its_queue_s_entitlement_so_reclaim_does_not_churn() -> None:
+    # as with gpuorch up: research (guarantee 8, entitled 15) and prod (guarantee 16, entitled 9) each held 8; reclaim
+    # evicted research's r3 for prod's 1-GPU llm. research, further below its entitlement, came first, and r3 took its
+    # 8 GPUs back (16 > 15), leaving llm waiting; reclaim evicted again: six evictions in two seconds
+    c = cluster(node("n1").gpus(8), node("n2").gpus(8), node("n3").gpus(8))
+    c.running(job("r2").gpus(8).priority("low").queue("research").build(), on=[("n1", list(range(8)))], job_id="r2")
+    c.running(job("p1").gpus(8).queue("prod").build(), on=[("n3", list(range(8)))], job_id="p1")
+    c.pending(job("r3").gpus(8).priority("low").queue("research").build(), "r3", at=0)
+    c.pending(job("small").gpus(2).priority("low").queue("research").build(), "small", at=1)
+    c.pending(job("llm").gpus(1).queue("prod").build(), "llm", at=5)
+    snap = c.snapshot(now=100, entitlements={"prod": 9, "research": 15}, floors={"prod": 9, "research": 8})
+
+    assert [j.job_id for j in Cycle(snap, Policy(), 100).order()] == ["small", "llm", "r3"], \
+        "research's 2-GPU job stays within its entitlement and goes first; r3 would borrow and goes last"
+    plan = run_cycle(snap, Policy(), 100)
+    assert sorted(plan.placements) == ["llm", "small"] and plan.preemptions == ()
+    # with room for all, one that borrows is still placed: the cluster stays work-conserving
+    roomy = cluster(node("n1").gpus(8), node("n2").gpus(8), node("n3").gpus(8), node("n4").gpus(8))
+    roomy.running(job("r2").gpus(8).queue("research").build(), on=[("n1", list(range(8)))], job_id="r2")
+    roomy.pending(job("r3").gpus(8).queue("research").build(), "r3", at=0)
+    roomy.pending(job("llm").gpus(1).queue("prod").build(), "llm", at=5)
+    plan = run_cycle(roomy.snapshot(now=100, entitlements={"prod": 9, "research": 15}), Policy(), 100)
+    assert sorted(plan.placements) == ["llm", "r3"]
+
+
 def test_a_job_larger_than_what_its_queue_is_owed_is_told_that_reclaim_stops_at_the_guarantee() -> None:
     # as with gpuorch up: prod (guarantee 8) holds 4 and waits with an 8-GPU job; research borrowed 20 of 24.
     # Reclaim lifts prod only to 8 (owed 4), so nothing is evicted; the reason said only "largest free block is 4"

@@ -553,7 +553,8 @@ class ClusterProjection(Projection):
         job = self._job(env, e.job_id, {"preempting"})
         if job is not None:
             self._release(job, env.timestamp)
-            job.state, job.placements, job.tasks_running = "preempted", [], []
+            # its tasks' exits were this attempt's: a job that waits again has none (a cancel then read SIGTERM)
+            job.state, job.placements, job.tasks_running, job.tasks_exited = "preempted", [], [], {}
             job.preemptions.append(env.timestamp)
             job.started_at = job.placed_at = job.preempting_since = None
 

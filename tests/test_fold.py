@@ -183,6 +183,18 @@ def test_a_task_exit_counts_from_the_node_of_its_last_placement_even_after_a_req
     assert Fold(restored)(reported(ev.JobTaskExited(job_id="a", task=0, node_id="n1", code=137)))
 
 
+def test_a_preempted_job_waits_again_without_the_exits_of_the_attempt_it_left():
+    """A preempted job, queued again, then cancelled before it ran again, read exit SIGTERM (its evicted task's)."""
+    f = with_queued_jobs("a")
+    f(on_n1("a"))
+    f(reported(ev.JobTaskStarted(job_id="a", task=0, node_id="n1")))
+    f(ev.JobPreempting(job_id="a", reason="reclaimed for queue prod"))
+    assert f(reported(ev.JobTaskExited(job_id="a", task=0, node_id="n1", signal=15)))
+    assert f.proj.jobs["a"].tasks_exited == {0: -15}
+    assert f(ev.JobPreempted(job_id="a"))
+    assert f.proj.jobs["a"].tasks_exited == {} and f.proj.jobs["a"].state == "preempted"
+
+
 def test_a_task_ended_by_a_signal_keeps_the_signal_as_a_negative_exit():
     """A gang's peer stopped when another task fails reports no code, only SIGTERM: it reads -15, not null."""
     f = with_queued_jobs("a")

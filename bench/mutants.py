@@ -191,9 +191,9 @@ RULES: dict[str, Rule] = {
         "a waiting job of a queue under its guarantee that is larger than what the queue is owed says that reclaim "
         "stops at the guarantee; not a job reclaim serves or explained, nor one that fits no node", (CORE_T, PROPS)),
     "reclaim and allocation agree": Rule(
-        "a job that would take its queue above its entitlement is placed after every job that would not, so a job "
-        "evicted by reclaim does not take back the GPUs it was evicted for",
-        ("tests/scheduler/test_core.py", "tests/scheduler/test_core_properties.py")),
+        "a job that would take its queue above its floor (borrowing) is placed after every job that would not, so a "
+        "job evicted by reclaim does not take back the GPUs it was evicted for; borrowers still alternate by share",
+        ("tests/scheduler/test_core.py", "tests/scheduler/test_core_properties.py", "tests/quota/test_fairness_sim.py")),
     "what a body is read as": Rule(
         "POST /v1/jobs reads sbatch scripts; a body of a Content-Type a route does not read is 415, not a 422 about "
         "its fields; a gang that could span GPU models is told so",
@@ -672,7 +672,11 @@ MUTANTS: tuple[Mutant, ...] = (
     M("empty-states-mean-any", "one cancel for many, as for one", "services/scheduler/api.py",
       "Field(default=None, min_length=1,  # empty is not", "Field(default=None,  # empty is not"),
     M("borrowing-first", "reclaim and allocation agree", "services/scheduler/core.py",
-      "                borrowing.append(jobs[i])", "                yield jobs[i]"),
+      "                borrowing.setdefault(job.queue, []).append(job)", "                yield job"),
+    M("borrowing-by-entitlement", "reclaim and allocation agree", "services/scheduler/core.py",
+      "> (self._floor(job.queue) or 0.0) + EPS:", "> ent.get(job.queue, 0.0) + EPS:"),
+    M("borrowers-in-a-frozen-order", "reclaim and allocation agree", "services/scheduler/core.py",
+      "        yield from by_share(borrowing)", "        yield from (j for q in borrowing for j in borrowing[q])"),
     M("a-form-body-read-as-fields", "what a body is read as", "shared/api_errors.py",
       "    if (why := _unread_body(request, exc.errors())) is not None:", "    if False:"),
     M("an-sbatch-body-left-to-the-route", "what a body is read as", "services/scheduler/jobinput.py",

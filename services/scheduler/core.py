@@ -99,10 +99,11 @@ class Cycle:
 
     def order(self) -> Iterator[PendingJob]:
         """Queues furthest below their entitlement first (by name without entitlements); then priority, then age.
-        A job that would take its queue above its entitlement (borrowing) comes after every job that would not,
-        as Kueue admits workloads that fit their nominal quota before those that borrow: placed first, it took
-        the GPUs a queue below its guarantee waited for, reclaim evicted it for them, and it came back first
-        again (six evictions in two seconds, until the thrashing guard stopped reclaim)."""
+        A job that would take its queue above its floor (what reclaim lifts a queue to: its guarantee capped by its
+        entitlement) borrows, and comes after every job that would not, as Kueue admits workloads within their
+        nominal quota before those that borrow: placed first, it took the GPUs a queue below its guarantee waited
+        for, reclaim evicted it for them, and it came back first again (six evictions in two seconds, until the
+        thrashing guard stopped reclaim)."""
         by_queue: dict[str, list[PendingJob]] = {}
         for j in job_order(self.snap.pending):
             if j.job_id in self.cancellations:
@@ -118,21 +119,26 @@ class Cycle:
             e = ent.get(q, 0.0)
             return self.allocated.get(q, 0.0) / e if e > 0 else math.inf
 
-        heads = {q: 0 for q in by_queue}
-        heap = [(share(q), q) for q in by_queue]
-        heapq.heapify(heap)
-        borrowing: list[PendingJob] = []
-        while heap:
-            _, q = heapq.heappop(heap)
-            jobs, i = by_queue[q], heads[q]
-            heads[q] = i + 1
-            if self.allocated.get(q, 0.0) + self.share(jobs[i].spec) > ent.get(q, 0.0) + EPS:
-                borrowing.append(jobs[i])
-            else:
+        def by_share(groups: dict[str, list[PendingJob]]) -> Iterator[PendingJob]:
+            """Each queue's jobs in turn, the queue furthest below its entitlement next (as jobs are placed)."""
+            heads = {q: 0 for q in groups}
+            heap = [(share(q), q) for q in groups]
+            heapq.heapify(heap)
+            while heap:
+                _, q = heapq.heappop(heap)
+                jobs, i = groups[q], heads[q]
+                heads[q] = i + 1
                 yield jobs[i]
-            if i + 1 < len(jobs):
-                heapq.heappush(heap, (share(q), q))
-        yield from borrowing
+                if i + 1 < len(jobs):
+                    heapq.heappush(heap, (share(q), q))
+
+        borrowing: dict[str, list[PendingJob]] = {}
+        for job in by_share(by_queue):
+            if self.allocated.get(job.queue, 0.0) + self.share(job.spec) > (self._floor(job.queue) or 0.0) + EPS:
+                borrowing.setdefault(job.queue, []).append(job)
+            else:
+                yield job
+        yield from by_share(borrowing)
 
     # --- placing ------------------------------------------------------------------------
 

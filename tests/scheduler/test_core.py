@@ -530,7 +530,7 @@ def test_reclaim_never_lifts_the_owed_queue_above_what_it_is_owed_nor_evicts_for
     assert "small" in plan.placements and plan.preemptions == ()
 
 
-def test_a_job_that_would_borrow_comes_after_one_within_its_queue_s_entitlement_so_reclaim_does_not_churn() -> None:
+def test_a_job_that_would_borrow_comes_after_one_within_its_queue_s_floor_so_reclaim_does_not_churn() -> None:
     # as with gpuorch up: research (guarantee 8, entitled 15) and prod (guarantee 16, entitled 9) each held 8; reclaim
     # evicted research's r3 for prod's 1-GPU llm. research, further below its entitlement, came first, and r3 took its
     # 8 GPUs back (16 > 15), leaving llm waiting; reclaim evicted again: six evictions in two seconds
@@ -542,10 +542,23 @@ def test_a_job_that_would_borrow_comes_after_one_within_its_queue_s_entitlement_
     c.pending(job("llm").gpus(1).queue("prod").build(), "llm", at=5)
     snap = c.snapshot(now=100, entitlements={"prod": 9, "research": 15}, floors={"prod": 9, "research": 8})
 
-    assert [j.job_id for j in Cycle(snap, Policy(), 100).order()] == ["small", "llm", "r3"], \
-        "research's 2-GPU job stays within its entitlement and goes first; r3 would borrow and goes last"
+    assert [j.job_id for j in Cycle(snap, Policy(), 100).order()] == ["llm", "r3", "small"], \
+        "research is at its floor (guarantee 8): its jobs borrow and come after prod's, which is below its floor"
     plan = run_cycle(snap, Policy(), 100)
-    assert sorted(plan.placements) == ["llm", "small"] and plan.preemptions == ()
+    assert sorted(plan.placements) == ["llm"] and plan.preemptions == (), plan.unschedulable
+    assert plan.unschedulable["small"].startswith("the free capacity it fits is held for r3 on n2")
+    # research below its entitlement (12 of 15) yet above its floor (8) after reclaim took 4 of its 12: its victim
+    # would come back first by entitlement (8 / 15 against prod's 8 / 9), and churn again
+    c = cluster(node("n1").gpus(8), node("n2").gpus(8), node("n3").gpus(8))
+    c.running(job("r2").gpus(8).queue("research").build(), on=[("n1", list(range(8)))], job_id="r2")
+    c.running(job("p1").gpus(8).queue("prod").build(), on=[("n3", list(range(8)))], job_id="p1")
+    c.running(job("other").gpus(4).queue("default").build(), on=[("n2", [4, 5, 6, 7])], job_id="other")
+    c.pending(job("victim").gpus(4).queue("research").build(), "victim", at=0)
+    c.pending(job("llm").gpus(1).queue("prod").build(), "llm", at=5)
+    snap = c.snapshot(now=100, entitlements={"prod": 9, "research": 15, "default": 0},
+                      floors={"prod": 9, "research": 8, "default": 0})
+    plan = run_cycle(snap, Policy(), 100)
+    assert sorted(plan.placements) == ["llm"], plan.unschedulable
     # with room for all, one that borrows is still placed: the cluster stays work-conserving
     roomy = cluster(node("n1").gpus(8), node("n2").gpus(8), node("n3").gpus(8), node("n4").gpus(8))
     roomy.running(job("r2").gpus(8).queue("research").build(), on=[("n1", list(range(8)))], job_id="r2")

@@ -364,7 +364,7 @@ MUTANTS: tuple[Mutant, ...] = (
     M("job-order-ignores-age", "priority order", CORE,
       "key=lambda j: (-j.priority_rank, j.submitted_at, j.job_id)", "key=lambda j: (-j.priority_rank, j.job_id)"),
     M("queue-order-by-name-first", "fair-share queue order", CORE,
-      "heap = [(share(q), q) for q in by_queue]", "heap = [(0.0, q) for q in by_queue]"),
+      "heap = [(share(q), q) for q in groups]", "heap = [(0.0, q) for q in groups]"),
     M("queue-order-not-re-ranked", "fair-share queue order", CORE,
       "heapq.heappush(heap, (share(q), q))", "heapq.heappush(heap, (-math.inf, q))"),
     M("queue-order-furthest-above-first", "fair-share queue order", CORE,

@@ -349,6 +349,27 @@ def test_queues_are_ordered_by_dominant_share_so_a_cpu_heavy_queue_counts_its_cp
     assert [j.job_id for j in engine.order()] == ["g", "c"]
 
 
+def test_queues_take_turns_by_how_far_below_their_entitlement_they_are_after_each_job_placed() -> None:
+    # a holds 0 of 8, b holds 2 of 8, four GPUs free: a takes two (0/8, then 1/8, both below b's 2/8), then the
+    # name breaks the tie at 2/8 (a), then b is further below (2/8 < 3/8): a1, a2, a3, b1. All stay within their
+    # entitlement, so none borrows.
+    c = cluster(node("n1").gpus(4), node("n2").gpus(2))
+    c.running(job("held").gpus(2).queue("b").build(), on=[("n2", [0, 1])], job_id="held")
+    for i in range(1, 5):
+        c.pending(job(f"a{i}").gpus(1).queue("a").build(), f"a{i}", at=i)
+        c.pending(job(f"b{i}").gpus(1).queue("b").build(), f"b{i}", at=i)
+    plan = run_cycle(c.snapshot(entitlements={"a": 8, "b": 8}), Policy(backfill=False), 0.0)
+    assert sorted(plan.placements) == ["a1", "a2", "a3", "b1"]
+    # the other way round, two GPUs free: b (0/8) goes first and twice, though a comes first by name
+    c = cluster(node("n1").gpus(2), node("n2").gpus(2))
+    c.running(job("held").gpus(2).queue("a").build(), on=[("n2", [0, 1])], job_id="held")
+    for i in range(1, 3):
+        c.pending(job(f"a{i}").gpus(1).queue("a").build(), f"a{i}", at=i)
+        c.pending(job(f"b{i}").gpus(1).queue("b").build(), f"b{i}", at=i)
+    plan = run_cycle(c.snapshot(entitlements={"a": 8, "b": 8}), Policy(backfill=False), 0.0)
+    assert sorted(plan.placements) == ["b1", "b2"]
+
+
 # --- backfill ------------------------------------------------------------------------------
 
 

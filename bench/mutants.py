@@ -194,6 +194,9 @@ RULES: dict[str, Rule] = {
         "a job that would take its queue above its floor (borrowing) is placed after every job that would not, so a "
         "job evicted by reclaim does not take back the GPUs it was evicted for; borrowers still alternate by share",
         ("tests/scheduler/test_core.py", "tests/scheduler/test_core_properties.py", "tests/quota/test_fairness_sim.py")),
+    "a job waits for a pool, not for ever": Rule(
+        "a job no node here could run, that a node pool's nodes could, names the pool and is not a never-fits wait",
+        ("tests/scheduler/test_pool_reasons.py",)),
     "what a body is read as": Rule(
         "POST /v1/jobs reads sbatch scripts; a body of a Content-Type a route does not read is 415, not a 422 about "
         "its fields; a gang that could span GPU models is told so",
@@ -677,6 +680,10 @@ MUTANTS: tuple[Mutant, ...] = (
       "> (self._floor(job.queue) or 0.0) + EPS:", "> ent.get(job.queue, 0.0) + EPS:"),
     M("borrowers-in-a-frozen-order", "reclaim and allocation agree", "services/scheduler/core.py",
       "        yield from by_share(borrowing)", "        yield from (j for q in borrowing for j in borrowing[q])"),
+    M("a-pool-wait-called-never", "a job waits for a pool, not for ever", "services/scheduler/reasons.py",
+      "    if POOL_NOTE in reason:  # it waits", "    if False:  # it waits"),
+    M("pools-together-never-named", "a job waits for a pool, not for ever", "services/scheduler/admission.py",
+      "    if alone or len(proj.pool_shapes) < 2:", "    if True:"),
     M("a-form-body-read-as-fields", "what a body is read as", "shared/api_errors.py",
       "    if (why := _unread_body(request, exc.errors())) is not None:", "    if False:"),
     M("an-sbatch-body-left-to-the-route", "what a body is read as", "services/scheduler/jobinput.py",

@@ -188,6 +188,9 @@ def held_back(job_id: str, start: float, now: float, nodes: Sequence[str], limit
 # --- which reasons the log records ---------------------------------------------------------------------------------
 
 
+POOL_NOTE = "may add nodes for it"  # a job no node could run, that a node pool's new nodes could
+
+
 def reason_class(reason: str) -> str:
     """The kind of wait a reason names: what a person (or a system reading the log) acts on. The details
     (how many GPUs are free, on which node) change with every job that starts or ends elsewhere."""
@@ -201,6 +204,8 @@ def reason_class(reason: str) -> str:
         return "queue limit"
     if reason.startswith("waiting for preemption") or "to leave: reclaimed" in reason:
         return "evictions"
+    if POOL_NOTE in reason:  # it waits for nodes the autoscaler adds: not stuck
+        return "no room now"
     if any(w in reason for w in ("can never", "no schedulable node", "even when idle", "even empty",
                                  "no node could ever")):
         return "never fits"

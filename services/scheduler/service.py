@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from services.scheduler.admission import with_pool_notes
 from services.scheduler.api import router
 from services.scheduler.core import Placement, Plan, Reservation
 from services.scheduler.decide import configured_policy, cycle_input
@@ -76,6 +77,8 @@ class Scheduler:
         # a waiting job's reason: the last cycle's words (what the API shows), and when the log last took one
         # (only a change of kind is logged at once, else at most every reason_refresh_s: reasons are state)
         self.live_reasons: dict[str, str] = {}
+        self.pool_notes: dict[tuple, list[str]] = {}  # node pools that could grow nodes for a task shape
+        self.pool_notes_at: int | None = None  # the projection's shape_version they are for
         self.reservation: Reservation | None = None  # the last cycle's backfill reservation: a job's estimated start
         self.reason_logged_at: dict[str, float] = {}
         self.traces = JobTraces()  # a cycle's decision about a job continues the job's trace
@@ -183,12 +186,15 @@ class Scheduler:
                 log.info("event=preempting job=%s reason=%r grace_s=%d", pre.job_id, pre.reason, pre.grace_s)
             except ConcurrencyConflict:
                 continue
-        self.live_reasons = dict(plan.unschedulable)
+        if self.pool_notes_at != getattr(self.proj, "shape_version", None):
+            self.pool_notes.clear()
+            self.pool_notes_at = getattr(self.proj, "shape_version", None)
+        self.live_reasons = with_pool_notes(self.proj, plan.unschedulable, self.pool_notes)
         self.reservation = plan.reservation
         # the reasons worth logging, appended together: one after another, a first cycle over 900 waiting jobs spent
         # 600 ms on their acks while 128 freed GPUs waited for the next cycle (bench.e2e --timeline)
         logged: list[tuple[str, Envelope]] = []
-        for job_id, reason in plan.unschedulable.items():
+        for job_id, reason in self.live_reasons.items():
             job = self.proj.jobs.get(job_id)
             if job is None or job.state != "queued":
                 continue

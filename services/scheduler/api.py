@@ -467,8 +467,8 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         what = f"{'array' if accepted[0][0].array else 'job'} {made[0][0]} is" if len(made) == 1 else \
             f"the batch's {len(made)} jobs ({made[0][0]} to {made[-1][0]}) are"
         if seqs:
-            await svc.caught_up(seqs[-1], fold_wait_s(svc, len(envs)), advice=f"{what} recorded: read it with GET /v1/jobs/{made[0][0]} rather "
-                                                 "than submitting it again")
+            await svc.caught_up(seqs[-1], fold_wait_s(svc, len(envs)), advice=f"{what} recorded: read it with GET "
+                                f"/v1/jobs/{made[0][0]} rather than submitting it again")
         return [answer(req, spec, warnings, base, p.user) for (req, spec, warnings), (base, _) in zip(accepted, made)]
 
     @r.get("/v1/jobs")

@@ -1038,7 +1038,8 @@ def _queue_line(q: dict[str, Any]) -> str:
     limit = "none" if q.get("limit") is None else f"{q['limit']['gpus']:g}"
     groups = (f", groups {','.join(q['groups'])} (each other's jobs: {q.get('group_access', 'none')})"
               if q.get("groups") else "")
-    return (f"guaranteed {q['guaranteed']['gpus']:g} GPUs, limit {limit}, weight {q['weight']:g}, "
+    g = q["guaranteed"]["gpus"]
+    return (f"guaranteed {g:g} GPU{'' if g == 1 else 's'}, limit {limit}, weight {q['weight']:g}, "
             f"priority {q['priority']}{groups}")
 
 

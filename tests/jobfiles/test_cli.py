@@ -102,7 +102,7 @@ async def test_dry_run_and_queue_commands_from_the_command_line(eventlog, monkey
         code, out = await gpuorch("queues", "set", "scratch", "--guarantee", "0")
         assert code == 0 and "created" in out, out
         code, out = await gpuorch("queues", "set", "scratch", "--guaranteed", "1")  # as the API's field and the table
-        assert code == 0 and "guaranteed 1 GPUs" in out, out
+        assert code == 0 and "guaranteed 1 GPU," in out, out
         # who may submit there, from the CLI as from the API; the rest of the queue stays as it was
         code, out = await gpuorch("queues", "set", "scratch", "--groups", "nlp, vision", "--group-access", "read",
                                   "--max-priority", "normal", "--weight", "2")

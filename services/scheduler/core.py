@@ -119,8 +119,10 @@ class Cycle:
             e = ent.get(q, 0.0)
             return self.allocated.get(q, 0.0) / e if e > 0 else math.inf
 
-        def by_share(groups: dict[str, list[PendingJob]]) -> Iterator[PendingJob]:
-            """Each queue's jobs in turn, the queue furthest below its entitlement next (as jobs are placed)."""
+        def by_share(groups: dict[str, list[PendingJob]], lending: bool = False) -> Iterator[PendingJob]:
+            """Each queue's jobs in turn, the queue furthest below its entitlement next (as jobs are placed);
+            ``lending``: a job that would borrow goes to ``borrowing`` instead, and so does all a queue has left
+            once it is at its floor (what a cycle places only adds: no share is computed for those)."""
             heads = {q: 0 for q in groups}
             heap = [(share(q), q) for q in groups]
             heapq.heapify(heap)
@@ -128,16 +130,23 @@ class Cycle:
                 _, q = heapq.heappop(heap)
                 jobs, i = groups[q], heads[q]
                 heads[q] = i + 1
-                yield jobs[i]
+                if lending:
+                    have, floor = self.allocated.get(q, 0.0), floors[q]
+                    if have >= floor - EPS:
+                        borrowing.setdefault(q, []).extend(jobs[i:])
+                        continue
+                    if have + self.share(jobs[i].spec) > floor + EPS:
+                        borrowing.setdefault(q, []).append(jobs[i])
+                    else:
+                        yield jobs[i]
+                else:
+                    yield jobs[i]
                 if i + 1 < len(jobs):
                     heapq.heappush(heap, (share(q), q))
 
+        floors = {q: self._floor(q) or 0.0 for q in by_queue}
         borrowing: dict[str, list[PendingJob]] = {}
-        for job in by_share(by_queue):
-            if self.allocated.get(job.queue, 0.0) + self.share(job.spec) > (self._floor(job.queue) or 0.0) + EPS:
-                borrowing.setdefault(job.queue, []).append(job)
-            else:
-                yield job
+        yield from by_share(by_queue, lending=True)
         yield from by_share(borrowing)
 
     # --- placing ------------------------------------------------------------------------

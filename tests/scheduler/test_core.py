@@ -580,6 +580,16 @@ def test_a_job_that_would_borrow_comes_after_one_within_its_queue_s_floor_so_rec
                       floors={"prod": 9, "research": 8, "default": 0})
     plan = run_cycle(snap, Policy(), 100)
     assert sorted(plan.placements) == ["llm"], plan.unschedulable
+    # research below its floor (4 of 8): its 8-GPU job would take it to 12 and borrows; prod's 1-GPU job goes first
+    c = cluster(node("n1").gpus(8), node("n2").gpus(8), node("n3").gpus(8))
+    c.running(job("r-half").gpus(4).queue("research").build(), on=[("n1", [0, 1, 2, 3])], job_id="r-half")
+    c.running(job("other").gpus(4).queue("default").build(), on=[("n1", [4, 5, 6, 7])], job_id="other")
+    c.running(job("p1").gpus(8).queue("prod").build(), on=[("n3", list(range(8)))], job_id="p1")
+    c.pending(job("big").gpus(8).queue("research").build(), "big", at=0)
+    c.pending(job("llm").gpus(1).queue("prod").build(), "llm", at=5)
+    snap = c.snapshot(now=100, entitlements={"prod": 9, "research": 15, "default": 0},
+                      floors={"prod": 9, "research": 8, "default": 0})
+    assert sorted(run_cycle(snap, Policy(), 100).placements) == ["llm"]
     # with room for all, one that borrows is still placed: the cluster stays work-conserving
     roomy = cluster(node("n1").gpus(8), node("n2").gpus(8), node("n3").gpus(8), node("n4").gpus(8))
     roomy.running(job("r2").gpus(8).queue("research").build(), on=[("n1", list(range(8)))], job_id="r2")

@@ -129,11 +129,21 @@ def _shown(error: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def body_mime(request: Request) -> str:
+    """The request's Content-Type without parameters, in lower case ("" if none)."""
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def read_as_json(mime: str) -> bool:
+    """Whether a body of this Content-Type reaches a route's model as JSON (none given: FastAPI reads JSON too)."""
+    return mime in ("", "application/json") or mime.endswith("+json")
+
+
 def _unread_body(request: Request, errors: Sequence[Any]) -> str | None:
     """Why the body was refused if the route never read it as JSON: sent with another Content-Type (``curl -d``
     sends a form's), it reaches the model as text, which the model refuses as 'not a dictionary'."""
-    mime = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if mime in ("", "application/json") or mime.endswith("+json"):
+    mime = body_mime(request)
+    if read_as_json(mime):
         return None
     if not any(tuple(e.get("loc", ())) == ("body",) and isinstance(e.get("input"), (str, bytes)) for e in errors):
         return None

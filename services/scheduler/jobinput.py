@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 
 from services.jobfiles import (Context, JobFileError, Loaded, is_manifest, is_sbatch, load_documents, load_text,
                                parse_documents)
+from shared.api_errors import body_mime, read_as_json
 
 YAML = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "application/vnd.kubernetes+yaml"}
 SHELL = {"text/x-shellscript", "application/x-shellscript", "application/x-sh", "text/x-sh"}  # an sbatch script
@@ -52,7 +53,7 @@ def _text(body: bytes) -> str:
 def _loaded(request: Request, body: bytes, context: Callable[[], Context]) -> Loaded | None:
     """The body's jobs if it is YAML, an sbatch script or a JSON manifest; None to leave it to the route as it is
     (a JobRequest or a list of them, in JSON). Another Content-Type is 415: ``curl -d`` sends a form's."""
-    mime = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    mime = body_mime(request)
     try:
         if mime in SHELL:
             text = _text(body)
@@ -62,7 +63,7 @@ def _loaded(request: Request, body: bytes, context: Callable[[], Context]) -> Lo
             return load_text(text, "sbatch", context())
         if mime in YAML:
             docs = parse_documents(_text(body), "the request body")
-        elif mime in ("", "application/json") or mime.endswith("+json"):
+        elif read_as_json(mime):
             try:
                 doc = json.loads(body)
             except ValueError:

@@ -186,9 +186,9 @@ class Scheduler:
                 log.info("event=preempting job=%s reason=%r grace_s=%d", pre.job_id, pre.reason, pre.grace_s)
             except ConcurrencyConflict:
                 continue
-        if self.pool_notes_at != getattr(self.proj, "shape_version", None):
+        if self.pool_notes_at != self.proj.shape_version:
             self.pool_notes.clear()
-            self.pool_notes_at = getattr(self.proj, "shape_version", None)
+            self.pool_notes_at = self.proj.shape_version
         self.live_reasons = with_pool_notes(self.proj, plan.unschedulable, self.pool_notes)
         self.reservation = plan.reservation
         # the reasons worth logging, appended together: one after another, a first cycle over 900 waiting jobs spent

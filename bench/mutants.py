@@ -54,6 +54,9 @@ SHAPES = "services/scheduler/shapes.py"
 FAIRSHARE = "shared/fairshare.py"
 GATES = "services/scheduler/gates.py"
 CLUSTER = "shared/cluster.py"
+HEALTH = "services/health/rules.py"
+HEALTH_R = "tests/health/test_rules.py"
+HEALTH_S = "tests/health/test_health_service.py"
 
 # --- the rules and the tests that guard them (fast example tests first: -x stops at the first failure) ---------
 
@@ -282,6 +285,27 @@ RULES: dict[str, Rule] = {
                                       "record_stays_readable",
                                       "tests/test_agent_containment.py::test_an_agent_upgraded_under_a_running_task_"
                                       "adopts_what_an_older_agent_recorded")),
+    # --- health (tests/health) ---------------------------------------------------------------------------------------
+    "a lost node's jobs requeue while retries last": Rule(
+        "every job holding resources on a lost node (placed, running, being stopped) is requeued while its retries "
+        "last, each counted, then failed", (HEALTH_R, HEALTH_S)),
+    "a job that never ran costs no retry": Rule(
+        "a job none of whose tasks had started when its node was lost is requeued whatever its retries, and the "
+        "requeue is not counted", (HEALTH_R, HEALTH_S)),
+    "only known faults mark a GPU": Rule(
+        "an application XID, an unlisted XID, and NVML's recovery action NONE mark nothing; a fault XID or any other "
+        "recovery action marks the GPU", (HEALTH_R,)),
+    "a fault is marked once": Rule("uncorrectable ECC marks once per increase; heat once per hot streak of "
+                                   "hot_samples samples", (HEALTH_R,)),
+    "a node is lost after its timeout": Rule("a node is lost only once its last beat is older than the heartbeat "
+                                             "timeout", (HEALTH_R, HEALTH_S)),
+    "time limits": Rule("a running job past its limit, counted from its first task's start, is stopped and fails; "
+                        "a placed one is not yet timed", (HEALTH_R, HEALTH_S)),
+    "drains wait for what stops": Rule("a drain preempts placed and running jobs, waits for those being stopped, and "
+                                       "is done when nothing holds resources on the node", (HEALTH_R, HEALTH_S)),
+    "auto-resume leaves an operator's hold": Rule("a node is resumed automatically only if health cordoned it for a "
+                                                  "fault and it stayed quiet; never one an operator holds, lost or "
+                                                  "draining", (HEALTH_R, HEALTH_S)),
 }
 
 
@@ -827,6 +851,42 @@ MUTANTS: tuple[Mutant, ...] = (
       "if self.stopping or child.alive():", "if True:"),
     M("a-crash-loop-restarted-at-once", "agents supervised", "services/stack.py",
       "return 0.0 if lived_s >= AGENT_STABLE_S else", "return 0.0 if True else"),
+    # --- health ----------------------------------------------------------------------------------------------------
+    M("a-lost-node-gives-one-retry-too-many", "a lost node's jobs requeue while retries last", HEALTH,
+      "requeue = j.retries < j.max_retries", "requeue = j.retries <= j.max_retries"),
+    M("a-lost-node-forgets-a-job-being-stopped", "a lost node's jobs requeue while retries last", HEALTH,
+      "        if j.state in ACTIVE and node_id in j.nodes:\n            if j.started_at is None:",
+      "        if j.state in STOPPABLE and node_id in j.nodes:\n            if j.started_at is None:"),
+    M("a-job-that-never-ran-fails-with-its-node", "a job that never ran costs no retry", HEALTH,
+      "            if j.started_at is None:\n", "            if False:\n"),
+    M("a-job-that-never-ran-spends-a-retry", "a job that never ran costs no retry", "services/health/decisions.py",
+      "reason=lost.reason, interrupted=lost.interrupted)", "reason=lost.reason)"),
+    M("an-application-xid-marks-the-gpu", "only known faults mark a GPU", HEALTH,
+      "    return FAULT_XIDS.get(xid)\n", "    return FAULT_XIDS.get(xid) or APPLICATION_XIDS.get(xid)\n"),
+    M("recovery-action-none-marks-the-gpu", "only known faults mark a GPU", HEALTH,
+      "return None if recovery_action == RECOVERY_NONE else", "return None if recovery_action is None else"),
+    M("ecc-marks-at-every-sample", "a fault is marked once", HEALTH,
+      "ecc_uncorrected > prev.ecc_uncorrected)", "ecc_uncorrected >= prev.ecc_uncorrected)"),
+    M("heat-marks-every-hot-sample", "a fault is marked once", HEALTH,
+      "    if streak == policy.hot_samples:", "    if streak >= policy.hot_samples:"),
+    M("a-node-lost-at-half-its-timeout", "a node is lost after its timeout", HEALTH,
+      "if now - t > timeout_s)", "if now - t > timeout_s / 2)"),
+    M("a-placed-job-is-timed", "time limits", HEALTH,
+      "if j.state == \"running\" and j.time_limit_s and", "if j.state in ACTIVE and j.time_limit_s and"),
+    M("an-overdue-job-timed-out-again", "time limits", HEALTH,
+      "Overdue(j.job_id, now - j.started_at - j.time_limit_s, j.timed_out)",
+      "Overdue(j.job_id, now - j.started_at - j.time_limit_s, False)"),
+    M("a-drain-spares-placed-jobs", "drains wait for what stops", HEALTH,
+      "preempt=tuple(j.job_id for j in on_node if j.state in STOPPABLE)",
+      "preempt=tuple(j.job_id for j in on_node if j.state == \"running\")"),
+    M("a-drain-done-while-a-job-stops", "drains wait for what stops", HEALTH,
+      "        drained=not on_node,", "        drained=not any(j.state in STOPPABLE for j in on_node),"),
+    M("auto-resume-lifts-an-operators-hold", "auto-resume leaves an operator's hold", HEALTH,
+      "if after_s is None or node.lost or node.draining or node.manual_hold:",
+      "if after_s is None or node.lost or node.draining:"),
+    M("auto-resume-lifts-a-drain", "auto-resume leaves an operator's hold", HEALTH,
+      "if after_s is None or node.lost or node.draining or node.manual_hold:",
+      "if after_s is None or node.lost or node.manual_hold:"),
 )
 
 

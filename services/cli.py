@@ -1390,7 +1390,7 @@ async def open_log(nats: str | None, data_dir: Path | None) -> AsyncIterator[Eve
         creds = Credentials.of_data_dir(data_dir)
         user = creds.control() if creds.path.exists() else None  # the stack's own bus credentials (0600, its owner's)
         if not (data_dir / "nats").exists():
-            fail(f"no event log under {data_dir}: start the stack there first, or pass --nats URL")
+            fail(f"no event log under {data_dir}: start the stack there first, or pass --data-dir DIR (a stack's data dir) or --nats URL")
         lock = stack.data_dir_lock(data_dir)
         try:
             lock.__enter__()

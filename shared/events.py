@@ -279,7 +279,8 @@ class JobTimedOut(Event):
 @register
 class JobRequeued(Event):
     """A running job lost its node (or its place) and goes back to the queue: its resources are freed, retries + 1
-    (``interrupted``: its node stopped under it, not its fault: no retry counted)."""
+    (``interrupted``: not its fault, no retry counted: its node stopped under it, or was lost before any of its
+    tasks started)."""
 
     TYPE, KEY = "job.requeued", "job_id"
     job_id: JobId

@@ -200,13 +200,21 @@ class LostJob:
     job_id: str
     requeue: bool  # else it fails: no retries left
     reason: str
+    interrupted: bool = False  # requeued without a retry counted: it had not started
 
 
 def plan_lost_node(node_id: str, jobs: Iterable[JobView]) -> list[LostJob]:
-    """Every job holding resources on a lost node: back to the queue while it has retries left, else failed."""
+    """Every job holding resources on a lost node: back to the queue while it has retries left, else failed.
+
+    A job none of whose tasks had started goes back to the queue whatever its retries, and uses none: it never ran
+    (as Slurm requeues a job whose launch failed). A node that dies silently looks free until its heartbeats are
+    missed, so jobs are placed there in that window, and they would otherwise fail without having run."""
     out = []
     for j in jobs:
         if j.state in ACTIVE and node_id in j.nodes:
+            if j.started_at is None:
+                out.append(LostJob(j.job_id, True, f"node lost before its tasks started: {node_id}", interrupted=True))
+                continue
             requeue = j.retries < j.max_retries
             why = f"node lost: {node_id}" + (f" (retry {j.retries + 1} of {j.max_retries})" if requeue else "")
             out.append(LostJob(j.job_id, requeue, why))

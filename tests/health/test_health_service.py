@@ -81,6 +81,8 @@ async def test_a_node_that_stops_beating_is_lost_and_its_jobs_requeue_while_retr
         twice = await submit(client, job("twice").gpus(4).build().model_copy(update={"max_retries": 1}))
         for j in (once, twice):
             await job_when(client, j, lambda v: v["state"] == "placed", "placement on n1")
+            await eventlog.append(reported(ev.JobTaskStarted(job_id=j, task=0, node_id="n1")))  # as its agent would
+            await job_when(client, j, lambda v: v["state"] == "running", "its task to start")
         await register(eventlog, node("n2").gpus(8).build())  # no agent: never watched
         await eventually(lambda: "n1" in health.heartbeats.noticed, what="health to watch n1")
         beats.advance(Settings().heartbeat_timeout_s + 1)  # and n1 never beat
@@ -96,6 +98,34 @@ async def test_a_node_that_stops_beating_is_lost_and_its_jobs_requeue_while_retr
         assert (await node_state(client, "n1"), await node_state(client, "n2")) == ("lost", "allocated")
         lost = [e for e in await history(client, "node/n1") if kind(e) == "lost"]
         assert len(lost) == 1 and "no heartbeat" in lost[0]["data"]["reason"] and lost[0]["gpuorchepoch"]
+
+
+async def test_a_job_placed_on_a_node_that_is_lost_before_its_task_starts_is_requeued_without_using_a_retry(
+        eventlog: EventLog):
+    """The node died silently: it looked free, the job was placed there, and its agent never started the task. The
+    job never ran: it goes back to the queue (its max_retries is 0) and its retries stay at 0."""
+    beats = Clock()
+    made: list[Health] = []
+
+    def health_on(settings: Settings, metrics) -> Service:
+        made.append(Health(settings, metrics, monotonic=beats))
+        return made[0].svc
+
+    async with in_process_stack(eventlog, build={"health": health_on}) as (client, _):
+        [health] = made
+        await register(eventlog, with_agent(node("n1").gpus(8).build()))
+        never = await submit(client, job("never-started").gpus(4).build())
+        await job_when(client, never, lambda v: v["state"] == "placed", "placement on n1")
+        await register(eventlog, node("n2").gpus(8).build())
+        await eventually(lambda: "n1" in health.heartbeats.noticed, what="health to watch n1")
+        beats.advance(Settings().heartbeat_timeout_s + 1)
+        health.wake.set()
+
+        moved = await job_when(client, never, lambda v: v["state"] == "placed" and v["placement"][0]["node"] == "n2",
+                               "the job to be placed again, on n2", 10)
+        assert moved["retries"] == 0
+        [requeued] = [e for e in await history(client, f"job/{never}") if kind(e) == "requeued"]
+        assert requeued["data"]["reason"] == "node lost before its tasks started: n1"
 
 
 async def test_an_operator_drain_preempts_with_its_grace_then_the_node_is_drained_and_resumes(eventlog: EventLog):

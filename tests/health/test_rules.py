@@ -145,22 +145,40 @@ def test_an_overdue_job_already_timed_out_only_needs_its_failure():
 
 def test_a_lost_nodes_jobs_are_requeued_while_retries_last_then_fail():
     jobs = [
-        running("retry", "n1", retries=0, max_retries=2),
-        running("last", "n1", retries=2, max_retries=2),
-        running("never", "n1"),
-        running("gang", "n0", "n1", max_retries=1),
-        running("elsewhere", "n2", max_retries=5),
-        running("pre", "n1", state="preempting", max_retries=1),
-        running("done", "n1", state="succeeded", max_retries=1),
+        running("retry", "n1", retries=0, max_retries=2, started_at=1.0),
+        running("last", "n1", retries=2, max_retries=2, started_at=1.0),
+        running("never", "n1", started_at=1.0),
+        running("gang", "n0", "n1", max_retries=1, started_at=1.0),
+        running("elsewhere", "n2", max_retries=5, started_at=1.0),
+        running("pre", "n1", state="preempting", max_retries=1, started_at=1.0),
+        running("done", "n1", state="succeeded", max_retries=1, started_at=1.0),
         running("waiting", state="queued", max_retries=1),
     ]
-    plan = {p.job_id: (p.requeue, p.reason) for p in plan_lost_node("n1", jobs)}
+    plan = {p.job_id: (p.requeue, p.reason, p.interrupted) for p in plan_lost_node("n1", jobs)}
     assert plan == {
-        "retry": (True, "node lost: n1 (retry 1 of 2)"),
-        "last": (False, "node lost: n1"),
-        "never": (False, "node lost: n1"),
-        "gang": (True, "node lost: n1 (retry 1 of 1)"),
-        "pre": (True, "node lost: n1 (retry 1 of 1)"),
+        "retry": (True, "node lost: n1 (retry 1 of 2)", False),
+        "last": (False, "node lost: n1", False),
+        "never": (False, "node lost: n1", False),
+        "gang": (True, "node lost: n1 (retry 1 of 1)", False),
+        "pre": (True, "node lost: n1 (retry 1 of 1)", False),
+    }
+
+
+def test_a_job_that_lost_its_node_before_any_task_started_goes_back_without_using_a_retry():
+    """A node that dies silently looks free until its heartbeats are missed: a job placed there meanwhile never ran.
+    It is requeued whatever its retries (0 by default), and the requeue is not counted as one."""
+    jobs = [
+        running("placed", "n1", state="placed"),
+        running("spent", "n1", state="placed", retries=3, max_retries=3),
+        running("stopping", "n1", state="preempting"),
+        running("gang-half-started", "n0", "n1", state="placed", started_at=1.0),
+    ]
+    plan = {p.job_id: (p.requeue, p.reason, p.interrupted) for p in plan_lost_node("n1", jobs)}
+    assert plan == {
+        "placed": (True, "node lost before its tasks started: n1", True),
+        "spent": (True, "node lost before its tasks started: n1", True),
+        "stopping": (True, "node lost before its tasks started: n1", True),
+        "gang-half-started": (False, "node lost: n1", False),
     }
 
 

@@ -354,7 +354,7 @@ def submit(
     time_limit: Annotated[str | None, typer.Option("--time-limit", "-t", "--time", help="as Slurm's --time (-t): "
                                                          "minutes, MM:SS, HH:MM:SS, "
                                                          "D-HH[:MM[:SS]], UNLIMITED; or 90s, 30m, 2h, 1h30m")] = None,
-    max_retries: Annotated[int | None, typer.Option(help="times to requeue it after its node is lost (0)")] = None,
+    max_retries: Annotated[int | None, typer.Option(help="times to requeue it after its node is lost once running (0); lost before it started, it is always requeued")] = None,
     env: Annotated[list[str] | None, typer.Option("-e", "--env", help="K=V (repeatable)")] = None,
     array: Annotated[str | None, typer.Option("-a", "--array", help="a job array, as Slurm writes it: 0-9, 1,3,5-7, "
                                                                     "0-15:4, 1-100%10 (at most 10 at once)")] = None,

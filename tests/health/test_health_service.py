@@ -66,13 +66,20 @@ async def test_a_silent_node_is_lost_when_its_timeout_has_passed_on_the_heartbea
         assert health.proj.nodes["n1"].lost
 
 
-async def test_a_node_that_stops_beating_is_lost_and_its_jobs_requeue_while_retries_last(eventlog: EventLog):
+def health_on_a_clock():
+    """A health service whose heartbeat clock the test advances: (the clock, the services built, the builder)."""
     beats = Clock()
     made: list[Health] = []
 
     def health_on(settings: Settings, metrics) -> Service:
         made.append(Health(settings, metrics, monotonic=beats))
         return made[0].svc
+
+    return beats, made, health_on
+
+
+async def test_a_node_that_stops_beating_is_lost_and_its_jobs_requeue_while_retries_last(eventlog: EventLog):
+    beats, made, health_on = health_on_a_clock()
 
     async with in_process_stack(eventlog, build={"health": health_on}) as (client, _):
         [health] = made
@@ -104,12 +111,7 @@ async def test_a_job_placed_on_a_node_that_is_lost_before_its_task_starts_is_req
         eventlog: EventLog):
     """The node died silently: it looked free, the job was placed there, and its agent never started the task. The
     job never ran: it goes back to the queue (its max_retries is 0) and its retries stay at 0."""
-    beats = Clock()
-    made: list[Health] = []
-
-    def health_on(settings: Settings, metrics) -> Service:
-        made.append(Health(settings, metrics, monotonic=beats))
-        return made[0].svc
+    beats, made, health_on = health_on_a_clock()
 
     async with in_process_stack(eventlog, build={"health": health_on}) as (client, _):
         [health] = made

@@ -354,7 +354,8 @@ def submit(
     time_limit: Annotated[str | None, typer.Option("--time-limit", "-t", "--time", help="as Slurm's --time (-t): "
                                                          "minutes, MM:SS, HH:MM:SS, "
                                                          "D-HH[:MM[:SS]], UNLIMITED; or 90s, 30m, 2h, 1h30m")] = None,
-    max_retries: Annotated[int | None, typer.Option(help="times to requeue it after its node is lost once running (0); lost before it started, it is always requeued")] = None,
+    max_retries: Annotated[int | None, typer.Option(help="times to requeue it after its node is lost once running "
+                                                        "(0); lost before it started, it is always requeued")] = None,
     env: Annotated[list[str] | None, typer.Option("-e", "--env", help="K=V (repeatable)")] = None,
     array: Annotated[str | None, typer.Option("-a", "--array", help="a job array, as Slurm writes it: 0-9, 1,3,5-7, "
                                                                     "0-15:4, 1-100%10 (at most 10 at once)")] = None,
@@ -1390,7 +1391,8 @@ async def open_log(nats: str | None, data_dir: Path | None) -> AsyncIterator[Eve
         creds = Credentials.of_data_dir(data_dir)
         user = creds.control() if creds.path.exists() else None  # the stack's own bus credentials (0600, its owner's)
         if not (data_dir / "nats").exists():
-            fail(f"no event log under {data_dir}: start the stack there first, or pass --data-dir DIR (a stack's data dir) or --nats URL")
+            fail(f"no event log under {data_dir}: start the stack there first, "
+                 "or pass --data-dir DIR (a stack's data dir) or --nats URL")
         lock = stack.data_dir_lock(data_dir)
         try:
             lock.__enter__()

@@ -56,8 +56,8 @@ def requeue_lost_jobs(proj: HealthProjection) -> list[Decision]:
     out, jobs = [], proj.job_views() if lost_nodes else []
     for node_id in lost_nodes:
         for lost in rules.plan_lost_node(node_id, jobs):
-            event: ev.Event = ev.JobRequeued(job_id=lost.job_id, reason=lost.reason, interrupted=lost.interrupted) if lost.requeue else \
-                ev.JobFailed(job_id=lost.job_id, reason=lost.reason)
+            event: ev.Event = ev.JobRequeued(job_id=lost.job_id, reason=lost.reason, interrupted=lost.interrupted) \
+                if lost.requeue else ev.JobFailed(job_id=lost.job_id, reason=lost.reason)
             out.append(Decision(event, f"{lost.job_id}-lost-{node_id}-{proj.registrations.get(node_id, 0)}",
                                 proj.jobs[lost.job_id].seq))
     return out

@@ -355,7 +355,8 @@ def submit(
                                                          "minutes, MM:SS, HH:MM:SS, "
                                                          "D-HH[:MM[:SS]], UNLIMITED; or 90s, 30m, 2h, 1h30m")] = None,
     max_retries: Annotated[int | None, typer.Option(help="times to requeue it after its node is lost once running "
-                                                        "(0); lost before it started, it is always requeued")] = None,
+                                                        "(0); lost before it started, it is requeued twice "
+                                                        "without spending one")] = None,
     env: Annotated[list[str] | None, typer.Option("-e", "--env", help="K=V (repeatable)")] = None,
     array: Annotated[str | None, typer.Option("-a", "--array", help="a job array, as Slurm writes it: 0-9, 1,3,5-7, "
                                                                     "0-15:4, 1-100%10 (at most 10 at once)")] = None,
@@ -778,7 +779,8 @@ def job_lines(job: dict[str, Any], now: float) -> list[tuple[str, str]]:
     lines.append(("exit code", "-" if code is None else _exit_text(code)))
     if job.get("task_exits"):
         lines.append(("task exits", ", ".join(f"{t}:{_exit_text(c)}" for t, c in job["task_exits"].items())))
-    lines += [("retries", f"{job.get('retries', 0)} of {spec.get('max_retries', 0)}"),
+    free = f" (+{n} free: its node lost before it started)" if (n := job.get("lost_before_start")) else ""
+    lines += [("retries", f"{job.get('retries', 0)} of {spec.get('max_retries', 0)}{free}"),
               ("preemptions", str(job.get("preemptions", 0)))]
     if arr := spec.get("array"):
         cap = f", at most {arr['max_running']} running" if arr.get("max_running") else ""

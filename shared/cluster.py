@@ -102,6 +102,7 @@ class JobRecord:
     tasks_exited: dict[int, int | None] = field(default_factory=dict)
     preemptions: list[float] = field(default_factory=list)  # times it was preempted
     retries: int = 0
+    lost_before_start: int = 0  # times it went back to the queue before any of its tasks started (no retry spent)
     timed_out: bool = False
     seq: int = 0  # stream sequence of the last event on this job: the expected sequence of the next decision
     attempt: int = 0  # stream sequence of the job.placed of its latest placement: agents and decisions name it
@@ -566,6 +567,8 @@ class ClusterProjection(Projection):
         if job := self._job(env, e.job_id, ACTIVE):
             self._release(job, env.timestamp)
             job.state, job.reason, job.retries = "queued", e.reason, job.retries + (0 if e.interrupted else 1)
+            if e.interrupted and job.started_at is None:
+                job.lost_before_start += 1
             job.placements, job.tasks_running, job.tasks_exited = [], [], {}
             job.started_at = job.placed_at = job.preempting_since = None
 

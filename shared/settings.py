@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -21,6 +22,7 @@ class Settings(BaseSettings):
     snapshot_every: int = 10_000
     cycle_interval_s: float = 2.0  # scheduler and other deciders run at least this often
     heartbeat_timeout_s: float = 10.0  # a node silent this long is lost (health)
+    free_unstarted_requeues: int = Field(2, ge=0)  # a job lost before it started is requeued this often without a retry
     debounce_s: float = 0.02  # deciders' cycles start at least this far apart (bench.e2e: 0.05 cost a one-node
     # mix a third of its throughput; bench.ingest: 0.01 lengthened the POST tail over a long queue)
     reason_refresh_s: float = 300.0  # a waiting job's reason is logged when its kind changes, else at most this often

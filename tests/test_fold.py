@@ -183,6 +183,23 @@ def test_a_task_exit_counts_from_the_node_of_its_last_placement_even_after_a_req
     assert Fold(restored)(reported(ev.JobTaskExited(job_id="a", task=0, node_id="n1", code=137)))
 
 
+def test_the_requeues_of_a_job_that_had_not_started_are_counted_apart_from_its_retries_and_kept_in_snapshots():
+    """Health lets a job lost before it started go back free only so often: the fold counts those requeues."""
+    f = with_queued_jobs("a")
+    f(on_n1("a"))
+    f(ev.JobRequeued(job_id="a", reason="node lost before its tasks started: n1", interrupted=True))
+    f(on_n1("a"))
+    f(reported(ev.JobTaskStarted(job_id="a", task=0, node_id="n1")))
+    f(ev.JobRequeued(job_id="a", reason="task 0 interrupted: its node stopped", interrupted=True))  # it had started
+    f(on_n1("a"))
+    f(ev.JobRequeued(job_id="a", reason="node lost: n1 (retry 1 of 1)"))  # not free: a retry, whatever its start
+    a = f.proj.jobs["a"]
+    assert (a.lost_before_start, a.retries, a.state) == (1, 1, "queued")
+    restored = ClusterProjection()
+    restored.restore(f.proj.snapshot())
+    assert (restored.jobs["a"].lost_before_start, restored.jobs["a"].retries) == (1, 1)
+
+
 def test_a_preempted_job_waits_again_without_the_exits_of_the_attempt_it_left():
     """A preempted job, queued again, then cancelled before it ran again, read exit SIGTERM (its evicted task's)."""
     f = with_queued_jobs("a")

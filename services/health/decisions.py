@@ -50,12 +50,12 @@ def node_lost(proj: HealthProjection, node_id: str, silent_s: float, policy: Hea
     return Decision(ev.NodeLost(node_id=node_id, reason=reason), f"{node_id}-lost-{proj.registrations.get(node_id, 0)}")
 
 
-def requeue_lost_jobs(proj: HealthProjection) -> list[Decision]:
-    """Jobs holding resources on a lost node: requeued while retries last, else failed."""
+def requeue_lost_jobs(proj: HealthProjection, policy: HealthPolicy) -> list[Decision]:
+    """Jobs holding resources on a lost node: requeued while retries last (or free, before they started), else failed."""
     lost_nodes = [n for n, node in proj.nodes.items() if node.lost]
     out, jobs = [], proj.job_views() if lost_nodes else []
     for node_id in lost_nodes:
-        for lost in rules.plan_lost_node(node_id, jobs):
+        for lost in rules.plan_lost_node(node_id, jobs, policy.free_unstarted_requeues):
             event: ev.Event = ev.JobRequeued(job_id=lost.job_id, reason=lost.reason, interrupted=lost.interrupted) \
                 if lost.requeue else ev.JobFailed(job_id=lost.job_id, reason=lost.reason)
             out.append(Decision(event, f"{lost.job_id}-lost-{node_id}-{proj.registrations.get(node_id, 0)}",
@@ -123,7 +123,7 @@ def round_of(proj: HealthProjection, now: float, policy: HealthPolicy, bad_seen:
     """One round after the lost nodes are found: their jobs, time limits (all running jobs, or ``limits``), drains,
     auto-resume."""
     return [
-        *requeue_lost_jobs(proj),
+        *requeue_lost_jobs(proj, policy),
         *enforce_time_limits(proj, now, policy, limits),
         *drain_nodes(proj, policy),
         *auto_resume(proj, now, policy, bad_seen),

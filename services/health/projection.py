@@ -69,6 +69,7 @@ class HealthProjection(ClusterProjection):
             JobView(
                 job_id=j.job_id, state=j.state, nodes=frozenset(p.node_id for p in j.placements), started_at=j.started_at,
                 time_limit_s=j.spec.time_limit_s, timed_out=j.timed_out, retries=j.retries, max_retries=j.spec.max_retries,
+                lost_before_start=j.lost_before_start,
             )
             for j in jobs
             if j.state in states

@@ -48,6 +48,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from shared.settings import Settings
+
 ACTIVE = frozenset({"placed", "running", "preempting"})  # holding resources (as shared.cluster.ACTIVE)
 STOPPABLE = frozenset({"placed", "running"})  # not already being stopped
 
@@ -94,6 +96,13 @@ class HealthPolicy:
     fault_grace_s: int = 30
     time_limit_grace_s: int = 30
     auto_resume_after_s: float | None = None  # off: a faulted node stays cordoned until an operator resumes it
+    free_unstarted_requeues: int = 2  # a job lost before it started goes back this often without spending a retry
+
+    @classmethod
+    def of(cls, settings: Settings) -> HealthPolicy:
+        """The policy the health service runs from its settings (the rest are the rules' defaults)."""
+        return cls(heartbeat_timeout_s=settings.heartbeat_timeout_s,
+                   free_unstarted_requeues=settings.free_unstarted_requeues)
 
 
 # --- GPU faults --------------------------------------------------------------------
@@ -177,6 +186,7 @@ class JobView:
     timed_out: bool = False
     retries: int = 0
     max_retries: int = 0
+    lost_before_start: int = 0  # times it was requeued before any of its tasks started
 
 
 @dataclass(frozen=True)
@@ -203,22 +213,31 @@ class LostJob:
     interrupted: bool = False  # requeued without a retry counted: it had not started
 
 
-def plan_lost_node(node_id: str, jobs: Iterable[JobView]) -> list[LostJob]:
+def plan_lost_node(node_id: str, jobs: Iterable[JobView], free_unstarted: int) -> list[LostJob]:
     """Every job holding resources on a lost node: back to the queue while it has retries left, else failed.
 
     A job none of whose tasks had started goes back to the queue whatever its retries, and uses none: it never ran
     (as Slurm requeues a job whose launch failed). A node that dies silently looks free until its heartbeats are
-    missed, so jobs are placed there in that window, and they would otherwise fail without having run."""
+    missed, so jobs are placed there in that window, and they would otherwise fail without having run. That holds
+    ``free_unstarted`` times per job: a job whose start takes its node down would otherwise go round every node of
+    the cluster (Slurm holds a job after MaxBatchRequeue requeues); later losses count as any lost run's."""
     out = []
     for j in jobs:
         if j.state in ACTIVE and node_id in j.nodes:
-            if j.started_at is None:
+            unstarted = j.started_at is None
+            if unstarted and j.lost_before_start < free_unstarted:
                 out.append(LostJob(j.job_id, True, f"node lost before its tasks started: {node_id}", interrupted=True))
                 continue
             requeue = j.retries < j.max_retries
-            why = f"node lost: {node_id}" + (f" (retry {j.retries + 1} of {j.max_retries})" if requeue else "")
-            out.append(LostJob(j.job_id, requeue, why))
+            why = f"node lost: {node_id}" if not unstarted else (
+                f"node lost before its tasks started: {node_id}, the {ordinal(j.lost_before_start + 1)} time "
+                f"({free_unstarted} free requeues used)")
+            out.append(LostJob(j.job_id, requeue, why + (f" (retry {j.retries + 1} of {j.max_retries})" if requeue else "")))
     return sorted(out, key=lambda x: x.job_id)
+
+
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 @dataclass(frozen=True)

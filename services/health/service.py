@@ -49,7 +49,7 @@ class Health:
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
         """``clock``: the time rounds decide at (epoch seconds: time limits, auto-resume); ``monotonic``: the time
         heartbeats are timed by (a node is lost after ``heartbeat_timeout_s`` of it without a beat)."""
-        self.policy = policy or HealthPolicy(heartbeat_timeout_s=settings.heartbeat_timeout_s)
+        self.policy = policy or HealthPolicy.of(settings)
         self.clock = clock
         self.tick = min(1.0, self.policy.heartbeat_timeout_s / 4)
         self.debounce = settings.debounce_s

@@ -57,6 +57,7 @@ def job_view(job: JobRecord, live_reason: str | None = None) -> dict[str, Any]:
         "exit_code": job.exit_code,
         "task_exits": {str(t): code for t, code in sorted(job.tasks_exited.items())},
         "retries": job.retries,
+        "lost_before_start": job.lost_before_start,
         "submitted_at": job.submitted_at,
         "placed_at": job.placed_at,
         "started_at": job.started_at,

@@ -537,7 +537,7 @@ def _held(job: JobRecord | None) -> int:
 
 def live_health(settings: Settings | None = None) -> HealthPolicy:
     """The HealthPolicy the health service builds from its settings."""
-    return HealthPolicy(heartbeat_timeout_s=(settings or Settings()).heartbeat_timeout_s)
+    return HealthPolicy.of(settings or Settings())
 
 
 def simulate_jobs(

@@ -130,6 +130,33 @@ async def test_a_job_placed_on_a_node_that_is_lost_before_its_task_starts_is_req
         assert requeued["data"]["reason"] == "node lost before its tasks started: n1"
 
 
+async def test_a_job_whose_nodes_are_lost_before_it_starts_goes_back_free_twice_then_fails_as_a_lost_run(
+        eventlog: EventLog):
+    """A job whose start takes its node down (a poison job) would otherwise go round every node for free: here it is
+    placed on n1, n2 and n3 in turn, each lost before its task started; the third loss is a lost run's, and the job
+    has no retries (max_retries 0): it fails."""
+    beats, made, health_on = health_on_a_clock()
+
+    async with in_process_stack(eventlog, build={"health": health_on}) as (client, _):
+        [health] = made
+        poison = await submit(client, job("poison").gpus(4).build())
+        for n in ("n1", "n2", "n3"):
+            await register(eventlog, with_agent(node(n).gpus(8).build()))
+            await job_when(client, poison, lambda v, n=n: v["state"] == "placed" and v["placement"][0]["node"] == n,
+                           f"placement on {n}")
+            await eventually(lambda n=n: n in health.heartbeats.noticed, what=f"health to watch {n}")
+            beats.advance(Settings().heartbeat_timeout_s + 1)  # and it never beats
+            health.wake.set()
+            await job_when(client, poison, lambda v: v["state"] in ("queued", "failed"), f"{n} to be lost", 10)
+
+        failed = await job_when(client, poison, lambda v: v["state"] == "failed", "the job to fail")
+        assert failed["reason"] == "node lost before its tasks started: n3, the 3rd time (2 free requeues used)"
+        assert (failed["retries"], failed["lost_before_start"]) == (0, 2)
+        requeued = [e["data"] for e in await history(client, f"job/{poison}") if kind(e) == "requeued"]
+        assert [(r["reason"], r["interrupted"]) for r in requeued] == [
+            ("node lost before its tasks started: n1", True), ("node lost before its tasks started: n2", True)]
+
+
 async def test_an_operator_drain_preempts_with_its_grace_then_the_node_is_drained_and_resumes(eventlog: EventLog):
     async with in_process_stack(eventlog) as (client, _):
         await register(eventlog, node("n1").gpus(8).build())

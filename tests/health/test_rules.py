@@ -154,7 +154,7 @@ def test_a_lost_nodes_jobs_are_requeued_while_retries_last_then_fail():
         running("done", "n1", state="succeeded", max_retries=1, started_at=1.0),
         running("waiting", state="queued", max_retries=1),
     ]
-    plan = {p.job_id: (p.requeue, p.reason, p.interrupted) for p in plan_lost_node("n1", jobs)}
+    plan = {p.job_id: (p.requeue, p.reason, p.interrupted) for p in plan_lost_node("n1", jobs, POLICY.free_unstarted_requeues)}
     assert plan == {
         "retry": (True, "node lost: n1 (retry 1 of 2)", False),
         "last": (False, "node lost: n1", False),
@@ -173,13 +173,34 @@ def test_a_job_that_lost_its_node_before_any_task_started_goes_back_without_usin
         running("stopping", "n1", state="preempting"),
         running("gang-half-started", "n0", "n1", state="placed", started_at=1.0),
     ]
-    plan = {p.job_id: (p.requeue, p.reason, p.interrupted) for p in plan_lost_node("n1", jobs)}
+    plan = {p.job_id: (p.requeue, p.reason, p.interrupted) for p in plan_lost_node("n1", jobs, POLICY.free_unstarted_requeues)}
     assert plan == {
         "placed": (True, "node lost before its tasks started: n1", True),
         "spent": (True, "node lost before its tasks started: n1", True),
         "stopping": (True, "node lost before its tasks started: n1", True),
         "gang-half-started": (False, "node lost: n1", False),
     }
+
+
+def test_a_job_lost_before_it_started_goes_back_free_only_so_often_then_as_any_lost_run():
+    """A job whose start takes its node down would go round every node of the cluster if each loss were free: the
+    first two are, the third spends a retry like any lost run's, and fails the job when it has none left."""
+    assert POLICY.free_unstarted_requeues == 2
+    jobs = [
+        running("second", "n1", state="placed", lost_before_start=1),
+        running("third", "n1", state="placed", lost_before_start=2),
+        running("third-with-a-retry", "n1", state="placed", lost_before_start=2, max_retries=1),
+        running("started-after-two", "n1", lost_before_start=2, started_at=1.0, max_retries=1),
+    ]
+    plan = {p.job_id: (p.requeue, p.reason, p.interrupted) for p in plan_lost_node("n1", jobs, 2)}
+    assert plan == {
+        "second": (True, "node lost before its tasks started: n1", True),
+        "third": (False, "node lost before its tasks started: n1, the 3rd time (2 free requeues used)", False),
+        "third-with-a-retry": (True, "node lost before its tasks started: n1, the 3rd time (2 free requeues used)"
+                                     " (retry 1 of 1)", False),
+        "started-after-two": (True, "node lost: n1 (retry 1 of 1)", False),
+    }
+    assert [p.requeue for p in plan_lost_node("n1", [running("j", "n1", state="placed")], 0)] == [False]
 
 
 # --- drains --------------------------------------------------------------------------

@@ -987,6 +987,9 @@ def queues(ctx: typer.Context, since: SinceOpt = "24h", until: UntilOpt = "now",
                   "now: guarantees cannot all be honoured")
 
 
+queues_app.command("list", help="List queues (as `gpuorch queues`).")(queues)
+
+
 QUEUE_FIELDS = ("guaranteed", "limit", "weight", "priority", "preempt_min_runtime_s", "groups", "group_access",
                 "max_priority")
 
@@ -1175,6 +1178,9 @@ def pools(ctx: typer.Context, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = Fals
                         p["provider"] + (f" (error: {p['provider_error']})" if p.get("provider_error") else "")))
 
 
+pools_app.command("list", help="List pools (as `gpuorch pools`).")(pools)
+
+
 POOL_FIELDS = ("profile", "min_nodes", "max_nodes", "provision_delay_s", "idle_timeout_s", "cost_per_node_hour",
                "hourly_cost_cap", "provider")
 
@@ -1227,6 +1233,9 @@ def deployments(ctx: typer.Context, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt 
                         f"{d['pending_requests']:g}", f"{d['spec']['target_pending_per_replica']:g}",
                         d["spec"]["job"]["queue"], f"{d['spec']['job']['resources']['gpus']:g}",
                         shlex.join(d["spec"]["job"]["command"])[:60]))
+
+
+deployments_app.command("list", help="List deployments (as `gpuorch deployments`).")(deployments)
 
 
 @deployments_app.command("set")

@@ -23,8 +23,9 @@ async def test_pools_and_deployments_from_the_command_line(eventlog: EventLog, m
             "what was not given stays as it was"
         code, out = await gpuorch("pools", "set", "t4", "--idle-timeout", "soon")
         assert code == 1 and "--idle-timeout 'soon': write a duration" in out, out
-        code, out = await gpuorch("pools")
-        assert code == 0 and "t4" in out and "0/0/3" in out, out
+        for listing in (("pools",), ("pools", "list"), ("pools", "list", "--json")):  # `list` as `tokens list`
+            code, out = await gpuorch(*listing)
+            assert code == 0 and "t4" in out and ("0/0/3" in out or '"max_nodes": 3' in out), (listing, out)
         code, out = await gpuorch("pools", "delete", "t4")
         assert code == 0 and "pool t4 deleted" in out, out
         assert (await client.get("/v1/pools")).json() == []
@@ -38,8 +39,9 @@ async def test_pools_and_deployments_from_the_command_line(eventlog: EventLog, m
         async def replica():
             return [j for j in (await client.get("/v1/jobs", params={"name": "web"})).json()]
         await until(replica, 30, "the minimum replica")
-        code, out = await gpuorch("deployments")
-        assert code == 0 and "1/1/3" in out and "sleep 600" in out, out
+        for listing in (("deployments",), ("deployments", "list")):
+            code, out = await gpuorch(*listing)
+            assert code == 0 and "1/1/3" in out and "sleep 600" in out, (listing, out)
         code, out = await gpuorch("deployments", "delete", "web")
         assert code == 0 and "its 1 replica(s) are being cancelled" in out, out
         code, out = await gpuorch("deployments", "delete", "web")

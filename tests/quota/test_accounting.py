@@ -243,6 +243,7 @@ def test_usage_the_usage_api_and_queues_agree_with_the_oracle(served, since, unt
     api = client.get("/v1/usage", params={"since": str(lo), "until": iso(hi)}).json()["queues"]
     usage = cli_figures(app, "usage", "--since", iso(lo), "--until", str(hi))
     queues = cli_figures(app, "queues", "--since", str(lo), "--until", str(hi))
+    assert cli_figures(app, "queues", "list", "--since", str(lo), "--until", str(hi)) == queues
     rows = {r["path"]: r["usage"]["gpu_hours"] for r in client.get("/v1/queues", params={"since": str(lo),
                                                                                           "until": str(hi)}).json()}
     for queue, hours in want.items():

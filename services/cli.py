@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 
 from shared import aio
+from shared.agentctl import MAX_LOG_CHUNK
 from shared.cluster import CANCELLABLE, TERMINAL
 from shared.eventlog import EventLog, Record, Undecodable
 from shared.events import export_schemas
@@ -876,24 +877,45 @@ def logs(
     task: Annotated[int, typer.Option("--task", "-t", help="task index (rank)")] = 0,
     stderr: Annotated[bool, typer.Option("--stderr", help="stderr instead of stdout")] = False,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the job ends")] = False,
+    tail: Annotated[int | None, typer.Option("--tail", "-n", min=0, help="only its last N lines (then -f goes on "
+                                                                             "from there)")] = None,
     url: UrlOpt = DEFAULT_URL,
 ) -> None:
-    """Print a task's output."""
+    """Print a task's output: all of it, its last --tail lines, or, with -f, what it writes until it ends."""
     import time
 
+    path, params = f"/v1/jobs/{job_id}/logs", {"task": task, "stream": "stderr" if stderr else "stdout"}
     offset = 0
-    while True:
-        chunk = api("GET", url, f"/v1/jobs/{job_id}/logs", params={"task": task, "offset": offset,
-                                                                   "stream": "stderr" if stderr else "stdout"})
-        sys.stdout.write(chunk["data"])
-        sys.stdout.flush()
-        offset = chunk["next_offset"]
+    if tail is not None:
+        text, offset = _last_lines(url, path, params, tail)
+        sys.stdout.write(text)
         if not follow:
             return
-        if not chunk["data"]:
+    while True:
+        chunk = api("GET", url, path, params={**params, "offset": offset})
+        sys.stdout.write(chunk["data"])
+        sys.stdout.flush()
+        read, offset = chunk["next_offset"] - offset, chunk["next_offset"]
+        if read > MAX_LOG_CHUNK - 4:  # a full chunk (less a character it would have cut): there is more now
+            continue
+        if not follow:
+            return
+        if not read:
             if api("GET", url, f"/v1/jobs/{job_id}")["state"] in TERMINAL:
                 return
             time.sleep(0.5)
+
+
+def _last_lines(url: str, path: str, params: dict[str, Any], n: int) -> tuple[str, int]:
+    """A log's last ``n`` lines (within its last MiB) and the offset after them: asks for more of its end until the
+    lines are whole (the first line of a chunk that does not start the log may be cut)."""
+    want = 64 << 10
+    while True:
+        chunk = api("GET", url, path, params={**params, "tail_bytes": want})
+        lines = chunk["data"].splitlines(keepends=True)
+        if len(lines) > n or chunk["offset"] == 0 or want == MAX_LOG_CHUNK:
+            return "".join(lines[-n:] if n else []), chunk["next_offset"]
+        want = min(MAX_LOG_CHUNK, want * 4)
 
 
 # --- nodes and queues ------------------------------------------------------------------

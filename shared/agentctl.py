@@ -28,6 +28,7 @@ class LogRequest(BaseModel):
     stream: Literal["stdout", "stderr"] = "stdout"
     offset: int = Field(0, ge=0)
     limit: int = Field(MAX_LOG_CHUNK, ge=1, le=MAX_LOG_CHUNK)
+    tail: bool = False  # the last ``limit`` bytes, whatever ``offset``
 
 
 class XidRequest(BaseModel):
@@ -46,7 +47,7 @@ class AgentError(Exception):
 
 async def ask(nc: Any, node_id: str, verb: str, body: BaseModel, timeout: float = 10) -> dict[str, Any]:
     try:
-        msg = await nc.request(control_subject(node_id, verb), body.model_dump_json().encode(), timeout=timeout)
+        msg = await nc.request(control_subject(node_id, verb), body.model_dump_json(exclude_defaults=True).encode(), timeout=timeout)
     except nats.errors.NoRespondersError:
         raise AgentError(503, f"the agent of {node_id} is not connected") from None
     except (nats.errors.TimeoutError, TimeoutError):

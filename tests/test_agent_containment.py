@@ -217,6 +217,21 @@ def test_a_log_is_read_from_an_offset_up_to_a_limit(task: Path):
         "task": 0, "attempt": 3, "stream": "stdout", "offset": 2, "next_offset": 7, "data": "23456"}
 
 
+def test_a_log_is_read_from_its_end_and_a_chunk_never_cuts_a_character(task: Path):
+    work = task.parents[3]
+    assert read_task_log(work, "j-1", None, 0, "stdout", 0, 4, tail=True)["data"] == "6789"
+    assert read_task_log(work, "j-1", None, 0, "stdout", 0, 100, tail=True)["offset"] == 0
+    text = "a\u00e9\u20ac\U0001f600b"  # 1, 2, 3, 4 and 1 bytes
+    (task / "stdout.log").write_text(text, encoding="utf-8")
+    for limit in range(4, 12):
+        read, offset = [], 0
+        while chunk := read_task_log(work, "j-1", None, 0, "stdout", offset, limit)["data"]:
+            read.append(chunk)
+            offset = read_task_log(work, "j-1", None, 0, "stdout", offset, limit)["next_offset"]
+        assert "".join(read) == text and "\ufffd" not in "".join(read), limit
+    assert read_task_log(work, "j-1", None, 0, "stdout", 1, 1)["next_offset"] == 2, "less than a character: as is"
+
+
 def test_a_log_that_is_a_link_is_not_followed(task: Path, tmp_path: Path):
     (tmp_path / "secret").write_text("TOPSECRET")
     (task / "stderr.log").symlink_to(tmp_path / "secret")

@@ -154,7 +154,7 @@ def test_the_cli_runs_jobs_on_a_stack_started_on_its_default_data_dir(tmp_path: 
     stack.start()
     wait_until(lambda: len(stack.api.get(f"/v1/nodes").json()) == 1, 30, "the node to register")
     ids = {}
-    for name, script in (("ok", "echo hi"), ("bad", "exit 7")):
+    for name, script in (("ok", "echo hi"), ("bad", "exit 7"), ("big", "yes 0123456789 | head -n 300000; echo end")):
         out = gpuorch(tmp_path, "submit", "--url", stack.url, "--name", name, "--max-retries", "2", "--time-limit", "60",
                       "--json", "--", "sh", "-c", script)
         assert out.returncode == 0, out.stderr
@@ -171,6 +171,10 @@ def test_the_cli_runs_jobs_on_a_stack_started_on_its_default_data_dir(tmp_path: 
     assert (jobs["bad"]["state"], jobs["bad"]["exit_code"]) == ("failed", 7)
     assert stack.api.get(f"/v1/jobs/{ids['ok']}").json()["spec"]["max_retries"] == 2
     assert gpuorch(tmp_path, "logs", ids["ok"]).stdout == "hi\n"
+    big = gpuorch(tmp_path, "logs", ids["big"]).stdout  # 3.3 MB: the API answers 1 MiB at a time
+    assert (len(big), big[-15:]) == (300_000 * 11 + 4, "0123456789\nend\n"), "the whole log, not its first MiB"
+    assert gpuorch(tmp_path, "logs", ids["big"], "--tail", "2").stdout == "0123456789\nend\n"
+    assert gpuorch(tmp_path, "logs", ids["ok"], "-n", "5").stdout == "hi\n"
     history = gpuorch(tmp_path, "events", "replay")  # the running stack's own log, found from its data dir
     assert history.returncode == 0 and f"job/{ids['ok']}" in history.stdout and "job.succeeded" in history.stdout, history.stderr
     # elsewhere, with the API's URL and a token: the same history through the API (it used to answer "no event log

@@ -593,7 +593,7 @@ class Agent:
         req = LogRequest.model_validate_json(body)
         try:
             chunk = await asyncio.to_thread(read_task_log, self.work_dir, req.job_id, req.attempt, req.task, req.stream,
-                                            req.offset, req.limit)
+                                            req.offset, req.limit, req.tail)
         except LogNotFound as e:
             return answer(status=404, error=f"{e} on {self.node.node_id}")
         return answer({"node": self.node.node_id, **chunk})

@@ -194,6 +194,18 @@ def _read_regular(fd: int, limit: int, offset: int = 0) -> bytes | None:
     return os.pread(fd, limit, offset)
 
 
+def _whole_chars(data: bytes) -> bytes:
+    """``data`` less a UTF-8 character cut at its end, which the next read then starts with (not two U+FFFD)."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b < 0x80:
+            return data
+        if b >= 0xC0:  # the lead byte of the last character: it needs this many bytes
+            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return data if back >= need else data[:-back] or data  # (a read shorter than one character: as is)
+    return data  # not UTF-8 there: as it is
+
+
 def read_state(task_dir: Path, name: str, limit: int = STATE_MAX) -> str | None:
     """A small file in a task directory (``record``, an older keeper's ``exit.json``); None when there is none.
 
@@ -244,8 +256,9 @@ def _exit(d: object, where: str) -> ExitRecord:
 
 
 def read_task_log(work_dir: Path, job_id: str, attempt: int | None, task: int, stream: str, offset: int,
-                  limit: int) -> dict:
-    """Up to ``limit`` bytes of a task's ``stream`` ("stdout" or "stderr") from ``offset``.
+                  limit: int, tail: bool = False) -> dict:
+    """Up to ``limit`` bytes of a task's ``stream`` ("stdout" or "stderr") from ``offset``, or its last ``limit``
+    bytes (``tail``). A full read ends on a whole UTF-8 character: ``next_offset`` is where the next one starts.
 
     ``attempt`` None means the latest attempt that ran here. Every directory under ``work_dir`` is opened
     without following links, and the log must be a regular file: a planted link, FIFO or device, or a job id
@@ -277,12 +290,17 @@ def read_task_log(work_dir: Path, job_id: str, attempt: int | None, task: int, s
             os.close(fd)
     except OSError as e:
         raise LogNotFound(f"no {what}" + ("" if isinstance(e, FileNotFoundError) else f": {e.strerror}")) from None
+    limit = min(limit, READ_MAX)
     try:
-        data = _read_regular(log_fd, min(limit, READ_MAX), offset)
+        if tail and stat.S_ISREG((st := os.fstat(log_fd)).st_mode):
+            offset = max(0, st.st_size - limit)
+        data = _read_regular(log_fd, limit, offset)
     finally:
         os.close(log_fd)
     if data is None:
         raise LogNotFound(f"no {what}: not a regular file")
+    if len(data) == limit:
+        data = _whole_chars(data)
     return {"task": task, "attempt": attempt, "stream": stream, "offset": offset, "next_offset": offset + len(data),
             "data": data.decode(errors="replace")}
 

@@ -20,7 +20,7 @@ from services.scheduler.dryrun import place_now
 from services.scheduler.jobinput import manifest_route
 from services.scheduler.shapes import parse_cc
 from shared import events as ev
-from shared.agentctl import AgentError, LogRequest, ask
+from shared.agentctl import MAX_LOG_CHUNK, AgentError, LogRequest, ask
 from shared.api_errors import errors, path_id
 from shared.api_events import record_json
 from shared.auth import Principal, RateLimiter, caller, job_access, submit_error
@@ -642,8 +642,11 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         task: Annotated[int, Query(ge=0, le=1023)] = 0,
         stream: Literal["stdout", "stderr"] = "stdout",
         offset: Annotated[int, Query(ge=0, le=2**53)] = 0,
+        tail_bytes: Annotated[int | None, Query(ge=1, le=MAX_LOG_CHUNK)] = None,
     ) -> dict[str, Any]:
-        """A task's output, asked of the agent of the node it ran on, over the bus (``offset`` to follow)."""
+        """A task's output, asked of the agent of the node it ran on, over the bus: at most 1 MiB from ``offset``
+        (``next_offset`` to read on, or follow), or its last ``tail_bytes`` bytes. A chunk ends on a whole UTF-8
+        character."""
         if job_id not in proj.jobs and (members := elements(job_id, p)):  # an array has no output of its own
             first, last = members[0].job_id, members[-1].job_id
             raise HTTPException(404, f"{job_id} is an array of {len(members)} jobs: ask for one of them"
@@ -655,7 +658,8 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         assert svc.log is not None
         try:
             return await ask(svc.log.nc, placement.node_id, "logs",
-                             LogRequest(job_id=job_id, task=task, stream=stream, offset=offset))
+                             LogRequest(job_id=job_id, task=task, stream=stream, offset=offset,
+                                        **({"limit": tail_bytes, "tail": True} if tail_bytes else {})))
         except AgentError as e:
             raise HTTPException(e.status, e.detail) from None
 

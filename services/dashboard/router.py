@@ -39,6 +39,7 @@ LIVE_STATES = ("placed", "running", "preempting")
 PENDING_STATES = ("submitted", "queued", "preempted")
 SESSION_MAX_AGE_S = 12 * 3600
 LOGS_WAIT_S = 0.3  # the most a job page waits for its first log chunk (an agent answers in ms; the script follows)
+LOG_PAGE_BYTES = 64 << 10  # a job page shows its log's end, this much: a long log would weigh the page down
 MAX_ROWS = 1000  # jobs in one table: more are read, sorted, and cut here
 
 
@@ -192,7 +193,8 @@ def dashboard_router(get_log: Callable[[], "EventLog | None"]) -> APIRouter:
             logs = None
             if part != "live" and (job.get("placement") or job.get("started_at")):
                 try:  # the agent answers over the bus; a slow one leaves the following to the page's script
-                    resp = await asyncio.wait_for(api.call(f"/v1/jobs/{job_id}/logs", task=0, offset=0), LOGS_WAIT_S)
+                    end = api.call(f"/v1/jobs/{job_id}/logs", task=0, tail_bytes=LOG_PAGE_BYTES)
+                    resp = await asyncio.wait_for(end, LOGS_WAIT_S)
                     logs = resp.json() if resp.status_code == 200 else {"error": resp.json().get("detail"),
                                                                         "next_offset": 0}
                 except TimeoutError:

@@ -14,7 +14,7 @@ from shared.cluster import agent_source
 from shared.eventlog import EventLog
 from shared.events import Envelope
 from tests.builders import node
-from tests.support import as_user, in_process_stack, until
+from tests.support import as_user, in_process_stack, nodes_up, until
 
 PAGES = ("/", "/ui/queues", "/ui/jobs", "/ui/jobs/j-none", "/ui/events")
 JOB = {"name": "j", "resources": {"gpus": 0}, "command": ["sleep", "60"]}
@@ -87,6 +87,23 @@ async def test_a_user_sees_their_own_jobs_and_an_operator_sees_everyones(eventlo
         r = await alice.get(f"/ui/jobs/{mine}")
         assert r.status_code == 200 and "alices-job" in r.text and "Why it waits" in r.text, r.text[-3000:]
         assert (await olga.get("/ui/events")).status_code == 200
+
+
+async def test_a_job_page_shows_the_end_of_a_long_log_and_says_so(eventlog: EventLog, agents):
+    async with dashboard(eventlog) as (client, _):
+        agents("a")
+        await nodes_up(client, 1)
+        lines = {**JOB, "command": ["sh", "-c", "seq -w 1 100000"]}  # 700,000 bytes: the page showed the first MiB, all of it
+        job_id = (await client.post("/v1/jobs", json=lines)).json()["id"]
+
+        async def ended():
+            return (await client.get(f"/v1/jobs/{job_id}")).json()["state"] == "succeeded"
+        await until(ended, 30, "the job to print its lines")
+        page = (await (await login(client, "olga", "operator")).get(f"/ui/jobs/{job_id}")).text
+        shown = re.search(r'<pre class="logs"[^>]*>(.*?)</pre>', page, re.S).group(1)
+        assert shown.endswith("\n099999\n100000\n") and len(shown) <= 64 << 10, shown[-50:]
+        hint = re.search(r'<p class="hint">Task 0 stdout.*?</p>', page, re.S).group(0)
+        assert "its last 65536 bytes of 700000" in hint and 'data-offset="700000"' in page, hint
 
 
 async def test_the_cluster_page_shows_each_gpu_by_state_with_the_xid_of_a_sick_one(eventlog: EventLog):

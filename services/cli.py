@@ -31,7 +31,7 @@ from services import stack
 from services.stack_procs import surviving_nats
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="gpuorch: a GPU cluster orchestrator.")
-events_app = typer.Typer(no_args_is_help=True, help="The event log: follow, replay, verify, export schemas.")
+events_app = typer.Typer(no_args_is_help=True, help="The event log: tail (follow it), replay, verify, export schemas.")
 app.add_typer(events_app, name="events")
 tokens_app = typer.Typer(no_args_is_help=True, help="API tokens (admins): create, list, revoke.")
 app.add_typer(tokens_app, name="tokens")

@@ -886,6 +886,8 @@ def logs(
 
     path, params = f"/v1/jobs/{job_id}/logs", {"task": task, "stream": "stderr" if stderr else "stdout"}
     offset = 0
+    if follow:
+        _wait_to_be_placed(url, job_id)
     if tail is not None:
         text, offset = _last_lines(url, path, params, tail)
         sys.stdout.write(text)
@@ -904,6 +906,19 @@ def logs(
             if api("GET", url, f"/v1/jobs/{job_id}")["state"] in TERMINAL:
                 return
             time.sleep(0.5)
+
+
+def _wait_to_be_placed(url: str, job_id: str) -> None:
+    """A job still waiting to be placed (just submitted, or queued behind others): say so once, and wait."""
+    import time
+
+    told = False
+    while (job := api("GET", url, f"/v1/jobs/{job_id}")).get("state") in ("submitted", "queued"):
+        if not told:
+            err.print(f"{job_id} is {job['state']}: {job.get('reason') or 'not placed yet'}; its output will follow "
+                      "once it is placed (Ctrl-C to stop)", highlight=False)
+            told = True
+        time.sleep(1.0)
 
 
 def _last_lines(url: str, path: str, params: dict[str, Any], n: int) -> tuple[str, int]:

@@ -175,6 +175,20 @@ def test_the_cli_runs_jobs_on_a_stack_started_on_its_default_data_dir(tmp_path: 
     assert (len(big), big[-15:]) == (300_000 * 11 + 4, "0123456789\nend\n"), "the whole log, not its first MiB"
     assert gpuorch(tmp_path, "logs", ids["big"], "--tail", "2").stdout == "0123456789\nend\n"
     assert gpuorch(tmp_path, "logs", ids["ok"], "-n", "5").stdout == "hi\n"
+    # -f on a job that waits (here behind one holding the node's 4 GPUs): it waits for it to be placed, then follows
+    first, second = (json.loads(gpuorch(tmp_path, "submit", "-g", "4", "--json", "--", "sh", "-c", script).stdout)["id"]
+                     for script in ("sleep 600", "echo second"))
+    err = tmp_path / "follow.err"
+    with open(err, "w") as to_err:
+        follow = subprocess.Popen([sys.executable, "-m", "services.cli", "logs", second, "-f"], cwd=tmp_path, env=ENV,
+                                  stdout=subprocess.PIPE, stderr=to_err, text=True)
+    try:
+        wait_until(lambda: "will follow once it is placed" in " ".join(err.read_text().split()), 30, "logs -f to wait")
+        assert f"{second} is queued" in err.read_text()
+        assert stack.api.delete(f"/v1/jobs/{first}").status_code == 200
+        assert follow.communicate(timeout=30)[0] == "second\n" and follow.returncode == 0, err.read_text()
+    finally:
+        follow.kill()
     history = gpuorch(tmp_path, "events", "replay")  # the running stack's own log, found from its data dir
     assert history.returncode == 0 and f"job/{ids['ok']}" in history.stdout and "job.succeeded" in history.stdout, history.stderr
     # elsewhere, with the API's URL and a token: the same history through the API (it used to answer "no event log

@@ -876,7 +876,8 @@ def logs(
     job_id: Annotated[str, typer.Argument()],
     task: Annotated[int, typer.Option("--task", "-t", help="task index (rank)")] = 0,
     stderr: Annotated[bool, typer.Option("--stderr", help="stderr instead of stdout")] = False,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the job ends")] = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the job ends (a job still "
+                                                                          "queued: from when it is placed)")] = False,
     tail: Annotated[int | None, typer.Option("--tail", "-n", min=0, help="only its last N lines (then -f goes on "
                                                                              "from there)")] = None,
     url: UrlOpt = DEFAULT_URL,

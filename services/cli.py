@@ -692,7 +692,8 @@ def cancel(
         if as_json:
             print_json(done)
         else:
-            console.print(f"cancelled {job_ids[0]}")
+            array = f" (an array: {len(done['cancelled'])} unfinished job(s) cancelled)" if "array" in done else ""
+            console.print(f"cancelled {job_ids[0]}{array}")
         return
     if not job_ids and not filters:
         fail("give a job id, or filters (--name, --queue, --state) to cancel every job that matches")

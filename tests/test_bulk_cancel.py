@@ -119,6 +119,9 @@ async def test_gpuorch_cancel_of_several_ids_fails_as_one_would_when_any_could_n
         assert code == 1, "an ended or unknown id fails the command, as `gpuorch cancel ONE-ID` does"
         assert "cancelled 1 job(s); 2 could not be" in said and f"{ids[0]}: already cancelled" in said, out
         assert "j-nothing: unknown" in said, out
+        array = (await client.post("/v1/jobs", json={**job("arr", 8), "array": {"indices": [0, 1, 2]}})).json()["id"]
+        code, out = await gpuorch("cancel", array)
+        assert code == 0 and f"cancelled {array} (an array: 3 unfinished job(s) cancelled)" in " ".join(out.split()), out
 
 
 async def test_a_job_that_ends_while_the_request_runs_is_answered_as_ended_not_cancelled(eventlog, monkeypatch):

@@ -293,7 +293,8 @@ RULES: dict[str, Rule] = {
         "a job none of whose tasks had started when its node was lost is requeued whatever its retries, and the "
         "requeue is not counted", (HEALTH_R, HEALTH_S)),
     "a job that never ran goes back free only so often": Rule(
-        "a job lost before it started is requeued free free_unstarted_requeues times (counted by the fold); later losses spend a retry or fail it, as a lost run's", (HEALTH_R, HEALTH_S, "tests/test_fold.py")),
+        "a job lost before it started is requeued free free_unstarted_requeues times (counted by the fold); later "
+        "losses spend a retry or fail it, as a lost run's", (HEALTH_R, HEALTH_S, "tests/test_fold.py")),
     "only known faults mark a GPU": Rule(
         "an application XID, an unlisted XID, and NVML's recovery action NONE mark nothing; a fault XID or any other "
         "recovery action marks the GPU", (HEALTH_R,)),
@@ -864,9 +865,10 @@ MUTANTS: tuple[Mutant, ...] = (
     M("a-poison-job-goes-round-every-node-free", "a job that never ran goes back free only so often", HEALTH,
       "if unstarted and j.lost_before_start < free_unstarted:", "if unstarted:"),
     M("a-poison-job-gets-one-free-requeue-too-many", "a job that never ran goes back free only so often", HEALTH,
-      "if unstarted and j.lost_before_start < free_unstarted:", "if unstarted and j.lost_before_start <= free_unstarted:"),
-    M("the-fold-forgets-requeues-before-start", "a job that never ran goes back free only so often", "shared/cluster.py",
-      "                job.lost_before_start += 1\n", "                pass\n"),
+      "if unstarted and j.lost_before_start < free_unstarted:",
+      "if unstarted and j.lost_before_start <= free_unstarted:"),
+    M("the-fold-forgets-requeues-before-start", "a job that never ran goes back free only so often",
+      "shared/cluster.py", "                job.lost_before_start += 1\n", "                pass\n"),
     M("a-job-that-never-ran-spends-a-retry", "a job that never ran costs no retry", "services/health/decisions.py",
       "reason=lost.reason, interrupted=lost.interrupted)", "reason=lost.reason)"),
     M("an-application-xid-marks-the-gpu", "only known faults mark a GPU", HEALTH,

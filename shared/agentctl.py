@@ -47,7 +47,9 @@ class AgentError(Exception):
 
 async def ask(nc: Any, node_id: str, verb: str, body: BaseModel, timeout: float = 10) -> dict[str, Any]:
     try:
-        msg = await nc.request(control_subject(node_id, verb), body.model_dump_json(exclude_defaults=True).encode(), timeout=timeout)
+        # what is not the default is sent: an older agent, which forbids fields it does not know, reads the rest
+        msg = await nc.request(control_subject(node_id, verb), body.model_dump_json(exclude_defaults=True).encode(),
+                               timeout=timeout)
     except nats.errors.NoRespondersError:
         raise AgentError(503, f"the agent of {node_id} is not connected") from None
     except (nats.errors.TimeoutError, TimeoutError):

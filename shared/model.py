@@ -179,8 +179,8 @@ class JobSpec(Frozen):
     node_selector: dict[str, str] = Field(default_factory=dict)
     time_limit_s: Annotated[int, Field(gt=0, le=365 * 86400), JsonNumber] | None = None
     max_retries: Int = Field(default=0, ge=0, le=100, description="times it is requeued when its node is lost while it "
-                             "runs; a job lost before any task started is requeued without spending one, twice (GPUORCH_FREE_UNSTARTED_"
-                             "REQUEUES)")
+                             "runs; a job lost before any task started is requeued without spending one, "
+                             "twice (GPUORCH_FREE_UNSTARTED_REQUEUES)")
     command: tuple[NoNul, ...] = Field(default=(), max_length=4096)
     env: dict[EnvName, NoNul] = Field(default_factory=dict, max_length=1024)
     secret_env: dict[EnvName, NoNul] = Field(

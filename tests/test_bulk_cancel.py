@@ -121,7 +121,8 @@ async def test_gpuorch_cancel_of_several_ids_fails_as_one_would_when_any_could_n
         assert "j-nothing: unknown" in said, out
         array = (await client.post("/v1/jobs", json={**job("arr", 8), "array": {"indices": [0, 1, 2]}})).json()["id"]
         code, out = await gpuorch("cancel", array)
-        assert code == 0 and f"cancelled {array} (an array: 3 unfinished job(s) cancelled)" in " ".join(out.split()), out
+        said = " ".join(out.split())
+        assert code == 0 and f"cancelled {array} (an array: 3 unfinished job(s) cancelled)" in said, out
 
 
 async def test_a_job_that_ends_while_the_request_runs_is_answered_as_ended_not_cancelled(eventlog, monkeypatch):

@@ -51,7 +51,8 @@ def node_lost(proj: HealthProjection, node_id: str, silent_s: float, policy: Hea
 
 
 def requeue_lost_jobs(proj: HealthProjection, policy: HealthPolicy) -> list[Decision]:
-    """Jobs holding resources on a lost node: requeued while retries last (or free, before they started), else failed."""
+    """Jobs holding resources on a lost node: requeued while retries last (or free, before they started), else
+    failed."""
     lost_nodes = [n for n, node in proj.nodes.items() if node.lost]
     out, jobs = [], proj.job_views() if lost_nodes else []
     for node_id in lost_nodes:

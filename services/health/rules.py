@@ -232,7 +232,8 @@ def plan_lost_node(node_id: str, jobs: Iterable[JobView], free_unstarted: int) -
             why = f"node lost: {node_id}" if not unstarted else (
                 f"node lost before its tasks started: {node_id}, the {ordinal(j.lost_before_start + 1)} time "
                 f"({free_unstarted} free requeues used)")
-            out.append(LostJob(j.job_id, requeue, why + (f" (retry {j.retries + 1} of {j.max_retries})" if requeue else "")))
+            why += f" (retry {j.retries + 1} of {j.max_retries})" if requeue else ""
+            out.append(LostJob(j.job_id, requeue, why))
     return sorted(out, key=lambda x: x.job_id)
 
 

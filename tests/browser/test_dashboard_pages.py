@@ -93,7 +93,8 @@ async def test_a_job_page_shows_the_end_of_a_long_log_and_says_so(eventlog: Even
     async with dashboard(eventlog) as (client, _):
         agents("a")
         await nodes_up(client, 1)
-        lines = {**JOB, "command": ["sh", "-c", "seq -w 1 100000"]}  # 700,000 bytes: the page showed the first MiB, all of it
+        # 700,000 bytes: the page showed the first MiB, all of it
+        lines = {**JOB, "command": ["sh", "-c", "seq -w 1 100000"]}
         job_id = (await client.post("/v1/jobs", json=lines)).json()["id"]
 
         async def ended():

@@ -154,7 +154,8 @@ def test_a_lost_nodes_jobs_are_requeued_while_retries_last_then_fail():
         running("done", "n1", state="succeeded", max_retries=1, started_at=1.0),
         running("waiting", state="queued", max_retries=1),
     ]
-    plan = {p.job_id: (p.requeue, p.reason, p.interrupted) for p in plan_lost_node("n1", jobs, POLICY.free_unstarted_requeues)}
+    plan = {p.job_id: (p.requeue, p.reason, p.interrupted)
+            for p in plan_lost_node("n1", jobs, POLICY.free_unstarted_requeues)}
     assert plan == {
         "retry": (True, "node lost: n1 (retry 1 of 2)", False),
         "last": (False, "node lost: n1", False),
@@ -173,7 +174,8 @@ def test_a_job_that_lost_its_node_before_any_task_started_goes_back_without_usin
         running("stopping", "n1", state="preempting"),
         running("gang-half-started", "n0", "n1", state="placed", started_at=1.0),
     ]
-    plan = {p.job_id: (p.requeue, p.reason, p.interrupted) for p in plan_lost_node("n1", jobs, POLICY.free_unstarted_requeues)}
+    plan = {p.job_id: (p.requeue, p.reason, p.interrupted)
+            for p in plan_lost_node("n1", jobs, POLICY.free_unstarted_requeues)}
     assert plan == {
         "placed": (True, "node lost before its tasks started: n1", True),
         "spent": (True, "node lost before its tasks started: n1", True),

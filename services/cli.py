@@ -1177,12 +1177,13 @@ def cordon(node_id: str, reason: Annotated[str, typer.Option()] = "operator", ur
 
 
 @app.command()
-def drain(node_id: str, grace: Annotated[int, typer.Option("--grace", help="seconds each task has to exit after "
-                                                                            "SIGTERM, before SIGKILL")] = 300,
+def drain(node_id: str, grace: Annotated[str, typer.Option("--grace", help="how long each task has to exit after "
+                                                                            "SIGTERM, before SIGKILL: 90s, 5m, or "
+                                                                            "seconds")] = "300",
           reason: Annotated[str, typer.Option()] = "operator", url: UrlOpt = DEFAULT_URL) -> None:
     """Cordon a node and move its jobs elsewhere now: their tasks get SIGTERM (SIGKILL after --grace), the jobs
     go back to their queues."""
-    _node_action("drain", node_id, url, {"grace_s": grace, "reason": reason})
+    _node_action("drain", node_id, url, {"grace_s": round(_duration_opt(grace, "--grace") or 0), "reason": reason})
 
 
 @app.command()

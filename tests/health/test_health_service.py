@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import httpx
 
+from services import cli
 from services.health.rules import HealthPolicy
 from services.health.service import Health
 from shared import events as ev
@@ -14,6 +16,7 @@ from shared.eventlog import EventLog
 from shared.events import Envelope
 from shared.settings import Settings
 from tests.builders import job, node, reported
+from tests.jobfiles.test_cli import gpuorch, through_response
 from tests.health.test_health_stack import history, job_when, kind, nodes_up, submit, until
 from shared.runtime import Service
 from tests.support import Clock, eventually, in_process_stack, running
@@ -180,6 +183,21 @@ async def test_an_operator_drain_preempts_with_its_grace_then_the_node_is_draine
         assert (await client.post("/v1/nodes/n1/resume")).status_code == 200
         await job_when(client, job_id, lambda v: v["state"] == "placed", "the job to be placed again after resume")
         assert (await client.post("/v1/nodes/nope/cordon")).status_code == 404
+
+
+async def test_gpuorch_drain_takes_its_grace_as_a_duration_as_every_other_option_does(eventlog: EventLog, monkeypatch):
+    async with in_process_stack(eventlog) as (client, _):
+        await register(eventlog, node("n1").gpus(8).build(), node("n2").gpus(8).build())
+        monkeypatch.setattr(cli, "api_response", through_response(client, asyncio.get_running_loop()))
+        code, out = await gpuorch("drain", "n1", "--grace", "2m")
+        assert code == 0, out
+        [drain] = [e["data"] for e in await history(client, "node/n1") if kind(e) == "drain_requested"]
+        assert drain["grace_s"] == 120
+        code, out = await gpuorch("drain", "n2", "--grace", "soon")
+        assert code == 1 and "--grace 'soon': write a duration" in out, out
+        code, out = await gpuorch("drain", "n2", "--grace", "45")
+        assert code == 0, out
+        assert [e["data"]["grace_s"] for e in await history(client, "node/n2") if kind(e) == "drain_requested"] == [45]
 
 
 async def test_telemetry_marks_uncorrectable_ecc_and_heat_but_not_an_application_xid(eventlog: EventLog):

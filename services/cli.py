@@ -364,6 +364,8 @@ def submit(
     dependency: Annotated[str | None, typer.Option("-d", "--dependency", help="wait for other jobs, as Slurm writes "
                                                    "it with gpuorch ids: afterok:ID[:ID...], afternotok:ID, "
                                                    "afterany:ID, singleton; several with ','")] = None,
+    hold: Annotated[bool, typer.Option("--hold", "-H", help="submit it held (-H as sbatch): it waits unplaced until "
+                                                           "`gpuorch release`")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="show the job it would submit, every warning, and where "
                                                              "it would be placed now; submit nothing")] = False,
     jobfile_map: Annotated[Path | None, typer.Option("--map", envvar="GPUORCH_JOBFILE_MAP", show_envvar=True,
@@ -417,7 +419,7 @@ def submit(
         body = _with_flags(dict(t.job), command, name=name, queue=queue, priority=priority, tasks=tasks, gpus=gpus,
                            cpu=cpu, memory=memory, model=model, mig=mig, topology=topology, time_limit_s=limit_s,
                            max_retries=max_retries, env=env)
-        bodies.append({**body, **slurm})
+        bodies.append({**body, **slurm, **({"hold": True} if hold else {})})
         label = f"{t.origin}: " if len(translated) > 1 else ""
         named = body.get("queue") if queue is None else None  # the file named it: a partition, an account, a label
         if named is not None and known_queues is not None and named not in known_queues:
@@ -572,10 +574,10 @@ def _print_dry_run(res: dict[str, Any]) -> None:
         console.print(f"  ({res['ahead']} job(s) of its queue wait ahead of it and may go first)")
 
 
-JOB_STATES = ("submitted", "queued", "placed", "running", "preempting", "preempted", "succeeded", "failed",
+JOB_STATES = ("submitted", "queued", "held", "placed", "running", "preempting", "preempted", "succeeded", "failed",
               "cancelled", "rejected")
 SLURM_STATES = {
-    "PD": ("submitted", "queued"), "PENDING": ("submitted", "queued"),
+    "PD": ("submitted", "queued", "held"), "PENDING": ("submitted", "queued", "held"),  # a held job is PD in squeue
     "CF": ("placed",), "CONFIGURING": ("placed",),
     "R": ("placed", "running"), "RUNNING": ("placed", "running"),
     "CG": ("preempting",), "COMPLETING": ("preempting",),
@@ -587,7 +589,7 @@ SLURM_STATES = {
 }  # squeue's state codes and names; gpuorch's own names are taken as they are
 StateOpt = Annotated[str | None, typer.Option(
     "-s", "--state", "-t", help="comma-separated (-t as squeue and scancel): Slurm codes PD, CF, R, CG, PR, CD, F, CA (or their long names), "
-                          "all, or gpuorch's states (queued, running, preempting, succeeded, ...)")]
+                          "all, or gpuorch's states (queued, held, running, preempting, succeeded, ...)")]
 
 
 def job_states(text: str) -> list[str]:
@@ -717,6 +719,34 @@ def cancel(
         for s in skipped[:20]:
             err.print(f"[yellow]not cancelled:[/yellow] {s['id']}: {s['why']}")
         raise typer.Exit(1)
+
+
+JobIds = Annotated[list[str], typer.Argument(help="job ids, or array ids (each element it applies to)")]
+
+
+@app.command()
+def hold(job_ids: JobIds, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """Hold waiting jobs, like scontrol hold: they stay unplaced, and want nothing of quota, fair share or the
+    autoscaler, until `gpuorch release`. A job placed already cannot be held (cancel it)."""
+    _hold_or_release("hold", job_ids, url, as_json)
+
+
+@app.command()
+def release(job_ids: JobIds, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """Release held jobs, like scontrol release: they wait in their queues again."""
+    _hold_or_release("release", job_ids, url, as_json)
+
+
+def _hold_or_release(verb: str, job_ids: list[str], url: str, as_json: bool) -> None:
+    for job_id in job_ids:  # in order; the first refused stops the command, as scontrol does
+        done = api("POST", url, f"/v1/jobs/{job_id}/{verb}")
+        if as_json:
+            print_json(done)
+        elif "array" in done:
+            ids = done["held" if verb == "hold" else "released"]
+            console.print(f"{'held' if verb == 'hold' else 'released'} array {job_id}: {len(ids)} job(s)")
+        else:
+            console.print(f"{'held' if verb == 'hold' else 'released'} {job_id}: {done['state']}")
 
 
 def _at(ts: float | None, now: float) -> str:

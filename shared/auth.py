@@ -57,6 +57,8 @@ ROUTE_ROLES: dict[tuple[str, str], str] = {
     ("GET", "/v1/jobs/{job_id}"): "user",
     ("DELETE", "/v1/jobs/{job_id}"): "user",
     ("POST", "/v1/jobs:cancel"): "user",
+    ("POST", "/v1/jobs/{job_id}/hold"): "user",
+    ("POST", "/v1/jobs/{job_id}/release"): "user",
     ("GET", "/v1/jobs/{job_id}/logs"): "user",
     ("GET", "/v1/jobs/{job_id}/events"): "user",
     # the cluster, read-only

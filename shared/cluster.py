@@ -21,7 +21,8 @@ from shared.projection import Projection
 ACTIVE = frozenset({"placed", "running", "preempting"})  # holding resources
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "rejected"})
 PENDING = frozenset({"submitted", "queued"})
-CANCELLABLE = ACTIVE | PENDING | {"preempted"}  # not ended: a cancellation ends it
+HOLDABLE = PENDING  # a job that waits can be held; it is then "held" until released (it wants nothing meanwhile)
+CANCELLABLE = ACTIVE | PENDING | {"preempted", "held"}  # not ended: a cancellation ends it
 
 
 def agent_source(node_id: str) -> str:
@@ -338,6 +339,14 @@ class ClusterProjection(Projection):
 
     def on_job_queued(self, env: Envelope, e: ev.JobQueued) -> None:
         if job := self._job(env, e.job_id, {"submitted", "preempted"}):
+            job.state, job.reason = "queued", ""
+
+    def on_job_held(self, env: Envelope, e: ev.JobHeld) -> None:
+        if job := self._job(env, e.job_id, HOLDABLE):
+            job.state, job.reason = "held", e.reason
+
+    def on_job_released(self, env: Envelope, e: ev.JobReleased) -> None:
+        if job := self._job(env, e.job_id, {"held"}):
             job.state, job.reason = "queued", ""
 
     def on_job_unschedulable(self, env: Envelope, e: ev.JobUnschedulable) -> None:

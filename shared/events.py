@@ -193,6 +193,22 @@ class JobQueued(Event):
 
 
 @register
+class JobHeld(Event):
+    """A waiting job is held (Slurm's ``scontrol hold``, ``sbatch --hold``; Kubernetes' ``suspend: true``): it is not
+    placed, and asks nothing of quota, fair share or the autoscaler, until ``job.released`` queues it again."""
+
+    TYPE, KEY = "job.held", "job_id"
+    job_id: JobId
+    reason: str = ""
+
+
+@register
+class JobReleased(Event):
+    TYPE, KEY = "job.released", "job_id"
+    job_id: JobId
+
+
+@register
 class JobPlaced(Event):
     TYPE, KEY = "job.placed", "job_id"
     job_id: JobId

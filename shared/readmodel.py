@@ -104,8 +104,10 @@ def fold_row(row: Row | None, env: Envelope) -> Row | None:
                           owner=e.owner or "")
     if row is None:
         return None
-    if isinstance(e, ev.JobQueued):
+    if isinstance(e, ev.JobQueued | ev.JobReleased):
         row.state, row.reason = "queued", ""
+    elif isinstance(e, ev.JobHeld):
+        row.state, row.reason = "held", e.reason
     elif isinstance(e, ev.JobUnschedulable):
         row.reason = e.reason
     elif isinstance(e, ev.JobPlaced):

@@ -6,6 +6,7 @@ from pydantic_core import from_json, to_json
 
 from shared import events as ev
 from shared.cluster import ClusterProjection
+from shared.fairshare import Ratios
 from shared.events import Envelope, GpuShare, TaskPlacement
 from tests.builders import gpu_uuid, job, node, reported
 
@@ -198,6 +199,28 @@ def test_the_requeues_of_a_job_that_had_not_started_are_counted_apart_from_its_r
     restored = ClusterProjection()
     restored.restore(f.proj.snapshot())
     assert (restored.jobs["a"].lost_before_start, restored.jobs["a"].retries) == (1, 1)
+
+
+def test_a_held_job_is_never_placed_wants_nothing_and_waits_again_once_released():
+    f = with_queued_jobs("a", "b")
+    assert f(ev.JobHeld(job_id="a", reason="held by alice"))
+    a = f.proj.jobs["a"]
+    assert (a.state, a.reason) == ("held", "held by alice")
+    assert not f(on_n1("a"), SCHEDULER), "a placement decided before the hold (the scheduler's) is refused"
+    assert f.proj.jobs["a"].state == "held" and not f.proj.nodes["n1"].gpu_alloc
+    _, pending = f.proj.queue_load(ratios=Ratios())
+    assert pending == {"default": 1.0}, "only b wants GPUs"
+    assert not f(ev.JobHeld(job_id="a")), "held once"
+    restored = ClusterProjection()
+    restored.restore(f.proj.snapshot())
+    assert restored.jobs["a"].state == "held"
+    assert f(ev.JobReleased(job_id="a"))
+    assert (f.proj.jobs["a"].state, f.proj.jobs["a"].reason) == ("queued", "")
+    assert not f(ev.JobReleased(job_id="a")), "only a held job is released"
+    assert f(on_n1("a"))
+    assert not f(ev.JobHeld(job_id="a")), "a placed job is not held"
+    assert f(ev.JobHeld(job_id="b")) and f(ev.JobCancelled(job_id="b"))
+    assert f.proj.jobs["b"].state == "cancelled"
 
 
 def test_a_preempted_job_waits_again_without_the_exits_of_the_attempt_it_left():

@@ -226,7 +226,7 @@ async def test_a_submission_recorded_in_part_by_a_try_that_died_is_completed_onc
         a, b, c = (keyed_id(user, "half", i, "array" in r) for i, r in enumerate(body))
 
         def spec(i: int) -> JobSpec:
-            return JobSpec.model_validate(JobRequest.model_validate(body[i]).model_dump(exclude={"array"}))
+            return JobRequest.model_validate(body[i]).to_spec()
 
         def env(event, job_id: str, kind: str) -> Envelope:
             return Envelope(event, id=f"{job_id}-{kind}-first-try", source="/gpuorch/scheduler", actor=user)

@@ -115,7 +115,7 @@ async def test_gpuorch_jobs_follows_the_cursor_up_to_its_limit_with_several_stat
         assert len(asked) == 3 and [p["limit"] for p in asked] == [4, 4, 2], "one more than shown: are there more?"
         code, out = await gpuorch("jobs", "--json", "-s", "PD,CA")
         assert [j["id"] for j in json.loads(out)] == [gone, *ids[::-1]]
-        assert asked[-1]["state"] == ["submitted", "queued", "cancelled"], "one call names every state"
+        assert asked[-1]["state"] == ["submitted", "queued", "held", "cancelled"], "one call names every state"
         code, out = await gpuorch("jobs", "--limit", "9")
         assert code == 0 and "the newest 9 shown; --limit N shows more" in out, "a cut list says it is cut"
         code, out = await gpuorch("jobs", "--limit", "11")

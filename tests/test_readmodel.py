@@ -79,3 +79,16 @@ def test_rows_folded_over_many_batches_equal_one_batch(history: JobHistory, tmp_
     assert len(ids) > 20
     for job_id in ids:
         assert history.get(job_id).model_dump() == at_once.get(job_id).model_dump(), job_id
+
+
+def test_a_held_job_s_row_says_held_and_why_until_released():
+    from shared import events as ev
+    from shared.events import Envelope
+    from shared.readmodel import fold_row
+    from tests.builders import job
+
+    row = fold_row(None, Envelope(ev.JobSubmitted(job_id="j-1", spec=job("a").gpus(1).build())))
+    row = fold_row(row, Envelope(ev.JobHeld(job_id="j-1", reason="held by alice")))
+    assert (row.state, row.reason) == ("held", "held by alice")
+    row = fold_row(row, Envelope(ev.JobReleased(job_id="j-1")))
+    assert (row.state, row.reason) == ("queued", "")

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 STATIC = {"app.js": "text/javascript", "style.css": "text/css", "favicon.svg": "image/svg+xml"}
 LIVE_STATES = ("placed", "running", "preempting")
-PENDING_STATES = ("submitted", "queued", "preempted")
+PENDING_STATES = ("submitted", "queued", "held", "preempted")
 SESSION_MAX_AGE_S = 12 * 3600
 LOGS_WAIT_S = 0.3  # the most a job page waits for its first log chunk (an agent answers in ms; the script follows)
 LOG_PAGE_BYTES = 64 << 10  # a job page shows its log's end, this much: a long log would weigh the page down

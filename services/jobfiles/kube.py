@@ -351,7 +351,7 @@ def batch_job(doc: dict[str, Any], ctx: Context) -> Translated:
     if parallelism > 1:
         notes.add(f"{origin}: its {parallelism} pods start together, as one gang")
     for key, why in (("backoffLimit", "a failed job is not rerun (max_retries requeues a job whose node is lost)"),
-                     ("podFailurePolicy", "a failed job is not rerun"), ("suspend", "the job is queued at once")):
+                     ("podFailurePolicy", "a failed job is not rerun")):
         if spec.get(key):
             notes.add(f"{origin}: spec.{key}: ignored ({why})")
     pod = pod_template(spec.get("template"), f"{origin}: spec.template", notes)
@@ -359,9 +359,12 @@ def batch_job(doc: dict[str, Any], ctx: Context) -> Translated:
     if spec.get("completionMode") == "Indexed":
         prefix = 'export JOB_COMPLETION_INDEX="$RANK"; '
     deadline = spec.get("activeDeadlineSeconds")
-    return gang(origin, name, [Role("Job", parallelism, pod)], ctx, notes,
+    made = gang(origin, name, [Role("Job", parallelism, pod)], ctx, notes,
                 deadline_s=_count(deadline, f"{origin}: spec.activeDeadlineSeconds", 0) or None,
                 labels=_labels(meta.get("labels"), meta.get("annotations")), prefix=prefix)
+    if spec.get("suspend") is True:  # as Kueue admits a suspended Job: held here until gpuorch release
+        made.job["hold"] = True
+    return made
 
 
 def pytorch_job(doc: dict[str, Any], ctx: Context) -> Translated:

@@ -42,7 +42,6 @@ REFUSED = {  # directive -> why, and what to write instead
 }
 IGNORED = {  # directive -> what gpuorch does instead (a warning)
     "exclusive": "gpuorch gives each task its own GPUs; the rest of the node may hold other jobs",
-    "hold": "the job is queued at once",
     "begin": "the job may start at once",
     "deadline": "the job is not removed at a deadline",
     "signal": "at preemption a task gets SIGTERM, then SIGKILL after the grace period",
@@ -231,6 +230,8 @@ def from_sbatch(text: str, filename: str = "sbatch", ctx: Context = Context()) -
         job["array"] = array_request(opt["array"].value or "", opt["array"].written)
     if "dependency" in opt:
         job.update(dependency_request(opt["dependency"].value or "", opt["dependency"].written))
+    if "hold" in opt:
+        job["hold"] = True  # as sbatch -H: submitted held, until gpuorch release (scontrol release)
 
     # 2. name, queue, priority, time, retries
     raw_name = opt["job-name"].value if "job-name" in opt else filename
@@ -382,7 +383,7 @@ def from_sbatch(text: str, filename: str = "sbatch", ctx: Context = Context()) -
     return Translated(job, tuple(notes), f"sbatch script {filename}", logs)
 
 
-HANDLED = {"account", "array", "dependency", "chdir", "constraint", "cpus-per-gpu", "cpus-per-task", "error",
+HANDLED = {"account", "array", "dependency", "hold", "chdir", "constraint", "cpus-per-gpu", "cpus-per-task", "error",
            "export", "gpus", "gpus-per-node", "gpus-per-task", "gres", "job-name", "mem", "mem-per-cpu",
            "mem-per-gpu", "nodes", "ntasks", "ntasks-per-node", "output", "partition", "qos", "requeue",
            "no-requeue", "time", "tres-per-task"}

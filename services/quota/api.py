@@ -143,5 +143,5 @@ def router(svc: Service, half_life_s: float, clock: Callable[[], float] = time.t
 
 def _has_jobs(proj: ClusterProjection, path: str) -> bool:
     """Jobs submitted to exactly this queue that have not ended."""
-    live = ACTIVE | PENDING | {"preempted"}
+    live = ACTIVE | PENDING | {"preempted", "held"}
     return any(j.state in live and j.spec.queue == path for j in proj.jobs.values())

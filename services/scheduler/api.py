@@ -25,7 +25,8 @@ from shared.api_errors import errors, path_id
 from shared.api_events import record_json
 from shared.auth import Principal, RateLimiter, caller, job_access, submit_error
 from services.scheduler.gates import dependency_verdict
-from shared.cluster import CANCELLABLE, JobRecord
+from shared.cluster import CANCELLABLE, HOLDABLE, JobRecord
+from shared.eventlog import ConcurrencyConflict
 from shared.events import SUBJECT_PREFIX, Envelope, new_id, subject_token
 from shared.model import JOB_ID, QUEUE_PATH, ArrayElement, Dependency, EnvMap, Frozen, JobSpec, JsonNumber, NoNul
 from shared.redact import redact
@@ -72,8 +73,8 @@ DRY_RUN = ("dry_run=true: nothing is recorded; 200 with the spec it would submit
            "(status and why) or where it would be placed now (``placement``, else ``reason``)")
 Estimate = Annotated[bool, Query(description="add ``estimated_start`` (epoch seconds, or null): when a queued job "
                                              "should start; costs one scheduling cycle")]
-JobState = Literal["submitted", "queued", "placed", "running", "preempting", "preempted", "succeeded", "failed",
-                   "cancelled", "rejected"]
+JobState = Literal["submitted", "queued", "held", "placed", "running", "preempting", "preempted", "succeeded",
+                   "failed", "cancelled", "rejected"]
 
 
 PAGE, MAX_PAGE = 100, 1000  # jobs in a page of GET /v1/jobs: by default, at most
@@ -113,6 +114,12 @@ class JobRequest(JobSpec):
         default=None, description="submit a job array: one job per index (the response lists their ids)")
     singleton: StrictBool = Field(default=False, description="Slurm's --dependency=singleton: waits while another "
                                                              "job of the same name and owner is placed or running")
+    hold: StrictBool = Field(default=False, description="submit it held (sbatch --hold, Kubernetes' suspend): it is "
+                                                        "not placed until released (POST /v1/jobs/{id}/release)")
+
+    def to_spec(self) -> JobSpec:
+        """The JobSpec it records: less what is the request's own (its array's shape, its hold)."""
+        return JobSpec.model_validate(self.model_dump(exclude={"array", "hold"}))
 
 
 MAX_CANCEL_IDS = 100_000  # job or array ids in one POST /v1/jobs:cancel
@@ -190,8 +197,8 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         access = "none" if job is None else job_access(p, job, proj.queues)
         if job is None or access == "none":
             raise HTTPException(404, f"no job {job_id}")
-        if need == "cancel" and access != "cancel":
-            raise HTTPException(403, f"{p.user} may see job {job_id} but not cancel it")
+        if need != "read" and access != "cancel":  # who may cancel a job may hold and release it
+            raise HTTPException(403, f"{p.user} may see job {job_id} but not {need} it")
         return job
 
     def elements(array_id: str, p: Principal) -> list[JobRecord]:
@@ -354,7 +361,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                                      "in one request")
         key = idempotency_key if not dry_run else None
         bases = [keyed_id(p.user, key, i, req.array is not None) for i, req in enumerate(batch)] if key else None
-        specs = [JobSpec.model_validate(req.model_dump(exclude={"array"})) for req in batch]
+        specs = [req.to_spec() for req in batch]
         if key and bases and (replay := recorded_before(batch, specs, bases, said, p, key)) is not None:
             response.headers["Idempotent-Replayed"] = "true"
             return replay[0] if one else replay
@@ -426,7 +433,8 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         """What POST answers for one job request: the job as it is now, or the array and its elements' ids."""
         if req.array is not None:
             named = spec or req
-            return {"id": base, "array": base, "name": named.name, "queue": named.queue, "state": "queued",
+            return {"id": base, "array": base, "name": named.name, "queue": named.queue,
+                    "state": "held" if req.hold else "queued",
                     "count": len(req.array.indices), "max_running": req.array.max_running,
                     "jobs": [f"{base}-{i}" for i in req.array.indices], "warnings": warnings}
         if row is not None:
@@ -453,9 +461,10 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                 if known is None:
                     envs.append(Envelope(ev.JobSubmitted(job_id=job_id, spec=s, owner=p.user),
                                          id=f"{job_id}-submitted", source=source, actor=p.user, traceparent=trace))
-                if known is None or known.state == "submitted":
-                    envs.append(Envelope(ev.JobQueued(job_id=job_id), id=f"{job_id}-queued", source=source,
-                                         actor=p.user, traceparent=trace))
+                if known is None or known.state == "submitted":  # its first step: queued, or held (one id: once)
+                    first: ev.Event = ev.JobHeld(job_id=job_id, reason=f"held by {p.user} at submission") \
+                        if req.hold else ev.JobQueued(job_id=job_id)
+                    envs.append(Envelope(first, id=f"{job_id}-queued", source=source, actor=p.user, traceparent=trace))
             made.append((base, [job_id for job_id, _ in jobs]))
         assert svc.log is not None
         scheduler.traces.expect(envs)
@@ -634,6 +643,58 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         scheduler.wake.set()
         await svc.caught_up(seqs[-1])
         return {"id": array_id, "array": array_id, "cancelled": [j.job_id for j in left], "seq": seqs[-1]}
+
+    @r.post("/v1/jobs/{job_id}/hold", responses=errors(409))
+    async def hold(job_id: JobIdPath, p: Caller) -> dict[str, Any]:
+        """Hold a waiting job, as Slurm's scontrol hold: it is not placed, and wants nothing of quota, fair share
+        or the autoscaler, until released; for an array's id, every element still waiting. A job placed already
+        is 409 (cancel it, or let it run). Who may cancel a job may hold it."""
+        return await hold_or_release(job_id, p, "hold")
+
+    @r.post("/v1/jobs/{job_id}/release", responses=errors(409))
+    async def release(job_id: JobIdPath, p: Caller) -> dict[str, Any]:
+        """Release a held job (scontrol release): it waits in its queue again, at its first submission's place;
+        for an array's id, every held element."""
+        return await hold_or_release(job_id, p, "release")
+
+    async def hold_or_release(job_id: str, p: Principal, verb: str) -> dict[str, Any]:
+        want = HOLDABLE if verb == "hold" else frozenset({"held"})
+        if job_id not in proj.jobs and (members := elements(job_id, p)):
+            if any(job_access(p, j, proj.queues) != "cancel" for j in members):
+                raise HTTPException(403, f"{p.user} may see array {job_id} but not {verb} it")
+            done = [j.job_id for j in members if j.state in want and await held_or_released(j, p, verb, want)]
+            if not done:
+                raise HTTPException(409, f"no job of array {job_id} is {'waiting' if verb == 'hold' else 'held'}")
+            return {"id": job_id, "array": job_id, "held" if verb == "hold" else "released": done}
+        job = known(job_id, p, verb)
+        if job.state not in want or not await held_or_released(job, p, verb, want):
+            job = proj.jobs.get(job_id, job)
+            raise HTTPException(409, f"job {job_id} is {job.state}: " + (
+                "only a job that waits to be placed can be held" if verb == "hold" else "only a held job is released"))
+        return view(proj.jobs.get(job_id, job))
+
+    async def held_or_released(job: JobRecord, p: Principal, verb: str, want: frozenset[str]) -> bool:
+        """Append the job's hold or release, expecting its last event to be the one it was read at: a placement
+        appended meanwhile makes the hold fail (the job moved) rather than land on a running job. False when the
+        job left ``want`` meanwhile; a reason logged meanwhile (the job did not move) is read, then tried again."""
+        assert svc.log is not None
+        for _ in range(3):
+            event = ev.JobHeld(job_id=job.job_id, reason=f"held by {p.user}") if verb == "hold" \
+                else ev.JobReleased(job_id=job.job_id)
+            env = Envelope(event, id=f"{job.job_id}-{verb}-{job.seq}", source="/gpuorch/scheduler", actor=p.user)
+            try:
+                seq = await svc.log.append(env, expected_last_subject_seq=job.seq)
+            except ConcurrencyConflict:
+                await svc.caught_up(await svc.log.last_seq())
+                moved = proj.jobs.get(job.job_id)
+                if moved is None or moved.state not in want:
+                    return False
+                job = moved
+                continue
+            scheduler.wake.set()
+            await svc.caught_up(seq)
+            return True
+        raise HTTPException(503, f"job {job.job_id} kept changing: try again")
 
     @r.get("/v1/jobs/{job_id}/logs", responses=errors(502, 503))
     async def job_logs(

@@ -24,7 +24,7 @@ from shared.cluster import PENDING, TERMINAL, ClusterProjection, JobRecord
 from shared.events import Envelope
 from shared.model import MILLI
 
-JOB_STATES = ("submitted", "queued", "placed", "running", "preempting", "preempted")  # not ended: bounded by the live set
+JOB_STATES = ("submitted", "queued", "held", "placed", "running", "preempting", "preempted")  # not ended: the live set
 PRIORITIES = ("critical", "high", "normal", "low")
 BIG_TASK_GPUS = 8
 WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)

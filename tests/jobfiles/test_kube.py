@@ -51,6 +51,12 @@ def test_a_single_job_manifest_is_a_job_and_its_apiversion_no_extra_input():
     assert (j.name, j.tasks, j.resources.gpus, j.command) == ("train", 1, 2, ("python", "train.py"))
 
 
+def test_a_suspended_job_is_submitted_held_as_kueue_keeps_it_until_admitted():
+    assert one(job_yaml(spec={"suspend": True})).hold is True
+    assert one(job_yaml(spec={"suspend": False})).hold is False
+    assert not any("suspend" in w for w in load(job_yaml(spec={"suspend": True})).jobs[0].warnings)
+
+
 def test_a_multi_document_file_is_read_whole_and_kinds_that_are_no_job_or_queue_are_skipped_with_a_note():
     loaded = load({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}}, job_yaml(),
                   {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ResourceFlavor", "metadata": {"name": "a100"}})

@@ -25,6 +25,13 @@ def job(*directives: str, ctx: Context = Context(), **kw: str) -> JobRequest:
     return JobRequest.model_validate(read(*directives, ctx=ctx, **kw).job)
 
 
+def test_hold_submits_the_job_held_as_sbatch_h_does():
+    for d in ("--hold", "-H"):
+        assert job(d, "--gpus=1").hold is True
+        assert not any("hold" in w for w in read(d, "--gpus=1").warnings)
+    assert job("--gpus=1").hold is False
+
+
 def refusal(*directives: str, ctx: Context = Context()) -> str:
     with pytest.raises(JobFileError) as e:
         read(*directives, ctx=ctx)

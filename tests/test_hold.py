@@ -1,0 +1,114 @@
+"""Holding a waiting job (scontrol hold, sbatch --hold, Kubernetes' suspend) over a real nats-server: a held job is
+never placed and wants nothing of quota, until released; only a waiting job can be held; who may cancel a job may
+hold it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from services import cli
+from shared.eventlog import EventLog
+from tests.jobfiles.test_cli import gpuorch, through_response
+from tests.support import as_user, in_process_stack
+from tests.test_batch_submit import job, quiet, with_a_node
+
+
+async def state_of(client, job_id: str) -> dict:
+    return (await client.get(f"/v1/jobs/{job_id}")).json()
+
+
+async def pending_gpus(client, queue: str = "default") -> float:
+    return next(q for q in (await client.get("/v1/queues")).json() if q["path"] == queue)["pending"]["gpus"]
+
+
+async def test_a_job_submitted_held_waits_on_a_free_node_until_released(eventlog: EventLog):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        await with_a_node(eventlog)
+        r = await client.post("/v1/jobs", json={**job("held", 4), "hold": True})
+        assert r.status_code == 201 and r.json()["state"] == "held", r.text
+        held = r.json()["id"]
+        await quiet(eventlog)
+        assert (await state_of(client, held))["state"] == "held", "placed although held"
+        assert await pending_gpus(client) == 0, "a held job wants nothing of its queue"
+        listed = (await client.get("/v1/jobs", params={"state": "held"})).json()
+        assert [j["id"] for j in listed] == [held]
+
+        r = await client.post(f"/v1/jobs/{held}/release")
+        assert r.status_code == 200 and r.json()["state"] in ("queued", "placed"), r.text
+        await quiet(eventlog)
+        assert (await state_of(client, held))["state"] == "placed"
+        r = await client.post(f"/v1/jobs/{held}/hold")
+        assert r.status_code == 409 and "is placed: only a job that waits" in r.json()["detail"], r.text
+        r = await client.post(f"/v1/jobs/{held}/release")
+        assert r.status_code == 409 and "only a held job is released" in r.json()["detail"], r.text
+
+
+async def test_a_queued_job_held_is_passed_over_and_its_turn_comes_after_release(eventlog: EventLog):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        await with_a_node(eventlog)
+        ids = [(await client.post("/v1/jobs", json=job(n, 8))).json()["id"] for n in ("first", "second", "third")]
+        await quiet(eventlog)
+        first, second, third = ids
+        assert [(await state_of(client, i))["state"] for i in ids] == ["placed", "queued", "queued"]
+        r = await client.post(f"/v1/jobs/{second}/hold")
+        assert r.status_code == 200 and (r.json()["state"], r.json()["reason"]) == ("held", "held by admin"), r.text
+        assert await pending_gpus(client) == 8, "only the third wants its GPUs"
+        assert (await client.delete(f"/v1/jobs/{first}")).status_code == 200
+        await quiet(eventlog)
+        assert [(await state_of(client, i))["state"] for i in (second, third)] == ["held", "placed"]
+        assert (await client.post(f"/v1/jobs/{second}/release")).status_code == 200
+        assert (await client.delete(f"/v1/jobs/{third}")).status_code == 200
+        await quiet(eventlog)
+        assert (await state_of(client, second))["state"] == "placed"
+
+
+async def test_only_who_may_cancel_a_job_may_hold_or_release_it_and_an_array_is_held_whole(eventlog: EventLog):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        await with_a_node(eventlog)
+        await client.put("/v1/queues/shared", json={"groups": ["team"], "group_access": "read"})
+        alice = await as_user(client, "alice", groups=("team",))
+        bob = await as_user(client, "bob", groups=("team",))
+        carol = await as_user(client, "carol")
+        await client.post("/v1/jobs", json=job("blocker", 8))  # the node's 8 GPUs: the others wait
+        hers = (await alice.post("/v1/jobs", json=job("big", 8, queue="shared"))).json()["id"]
+        r = await bob.post(f"/v1/jobs/{hers}/hold")
+        assert r.status_code == 403 and "bob may see job" in r.json()["detail"] and "not hold it" in r.json()["detail"]
+        assert (await carol.post(f"/v1/jobs/{hers}/hold")).status_code == 404, "no existence leak"
+        assert (await alice.post(f"/v1/jobs/{hers}/hold")).status_code == 200
+        assert (await bob.post(f"/v1/jobs/{hers}/release")).status_code == 403
+        assert (await alice.post(f"/v1/jobs/{hers}/release")).status_code == 200
+
+        array = (await alice.post("/v1/jobs", json={**job("arr", 8), "array": {"indices": [0, 1, 2]}})).json()["id"]
+        assert (await carol.post(f"/v1/jobs/{array}/hold")).status_code == 404
+        r = await alice.post(f"/v1/jobs/{array}/hold")
+        assert r.status_code == 200 and r.json()["held"] == [f"{array}-{i}" for i in range(3)], r.text
+        assert {(await state_of(client, f"{array}-{i}"))["state"] for i in range(3)} == {"held"}
+        assert (await alice.post(f"/v1/jobs/{array}/hold")).status_code == 409, "none waits to be held"
+        r = await alice.post(f"/v1/jobs/{array}/release")
+        assert r.status_code == 200 and len(r.json()["released"]) == 3, r.text
+
+
+async def test_gpuorch_submit_hold_and_release_from_the_command_line(eventlog: EventLog, monkeypatch, tmp_path):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        await with_a_node(eventlog)
+        monkeypatch.setattr(cli, "api_response", through_response(client, asyncio.get_running_loop()))
+        await client.post("/v1/jobs", json=job("blocker", 8))  # the node's 8 GPUs: the others wait
+        code, out = await gpuorch("submit", "-H", "-g", "1", "--json", "--", "true")
+        assert code == 0, out
+        held = json.loads(out)["id"]
+        assert (await state_of(client, held))["state"] == "held"
+        code, out = await gpuorch("jobs", "-s", "PD")
+        assert code == 0 and held in out and "held" in out, "squeue shows a held job as pending"
+        code, out = await gpuorch("release", held)
+        assert code == 0 and f"released {held}" in out, out
+        code, out = await gpuorch("release", held)
+        assert code == 1 and "only a held job is released" in " ".join(out.split()), out
+
+        script = tmp_path / "held.sbatch"
+        script.write_text("#!/bin/bash\n#SBATCH --hold\n#SBATCH --gpus=1\ntrue\n")
+        code, out = await gpuorch("submit", str(script), "--json")
+        assert code == 0 and "ignored" not in out, out
+        assert (await state_of(client, json.loads(out[out.index("{"):])["id"]))["state"] == "held"
+        code, out = await gpuorch("hold", held)
+        assert code == 0 and f"held {held}: held" in out, out

@@ -285,6 +285,18 @@ RULES: dict[str, Rule] = {
                                       "record_stays_readable",
                                       "tests/test_agent_containment.py::test_an_agent_upgraded_under_a_running_task_"
                                       "adopts_what_an_older_agent_recorded")),
+    # --- holds (tests/test_hold.py) -----------------------------------------------------------------------------------
+    "a held job is never placed": Rule(
+        "the scheduler proposes queued jobs only, and the fold refuses a placement of a held job (one decided before "
+        "the hold)", ("tests/test_hold.py", "tests/test_fold.py")),
+    "a held job wants nothing": Rule("a held job is no queue's pending demand (quota, fair share, the autoscaler)",
+                                     ("tests/test_hold.py", "tests/test_fold.py")),
+    "a hold never lands on a job that moved": Rule(
+        "a hold is appended expecting the job's last event to be the one it was read at: one appended in between "
+        "makes it 409", ("tests/test_hold.py",)),
+    "only a waiting job is held": Rule(
+        "a placed or running job is not held (409; the fold refuses it), only a held job is released; who may "
+        "cancel a job may hold it", ("tests/test_hold.py", "tests/test_fold.py")),
     # --- health (tests/health) ---------------------------------------------------------------------------------------
     "a lost node's jobs requeue while retries last": Rule(
         "every job holding resources on a lost node (placed, running, being stopped) is requeued while its retries "
@@ -854,6 +866,27 @@ MUTANTS: tuple[Mutant, ...] = (
       "if self.stopping or child.alive():", "if True:"),
     M("a-crash-loop-restarted-at-once", "agents supervised", "services/stack.py",
       "return 0.0 if lived_s >= AGENT_STABLE_S else", "return 0.0 if True else"),
+    # --- holds -----------------------------------------------------------------------------------------------------
+    M("the-scheduler-places-held-jobs", "a held job is never placed", "services/scheduler/snapshot.py",
+      '        if job.state == "queued":\n            pending.append', '        if job.state in ("queued", "held"):\n'
+      '            pending.append'),
+    M("the-fold-places-a-held-job", "a held job is never placed", "shared/cluster.py",
+      'job = self._job(env, e.job_id, {"queued"})\n        if job is None:', 'job = self._job(env, e.job_id, '
+      '{"queued", "held"})\n        if job is None:'),
+    M("a-held-job-counts-as-pending", "a held job wants nothing", "shared/cluster.py",
+      "            elif state in PENDING:\n                q, waited", '            elif state in PENDING or state == "held":'
+      "\n                q, waited"),
+    M("a-running-job-can-be-held", "only a waiting job is held", "services/scheduler/api.py",
+      'want = HOLDABLE if verb == "hold"', 'want = CANCELLABLE if verb == "hold"'),
+    M("the-fold-holds-a-placed-job", "only a waiting job is held", "shared/cluster.py",
+      "if job := self._job(env, e.job_id, HOLDABLE):", "if job := self._job(env, e.job_id, CANCELLABLE):"),
+    M("a-hold-appended-whatever-moved", "a hold never lands on a job that moved", "services/scheduler/api.py",
+      "seq = await svc.log.append(env, expected_last_subject_seq=job.seq)\n            except ConcurrencyConflict:\n"
+      "                await svc.caught_up(await svc.log.last_seq())",
+      "seq = await svc.log.append(env)\n            except ConcurrencyConflict:\n"
+      "                await svc.caught_up(await svc.log.last_seq())"),
+    M("a-reader-may-hold", "only a waiting job is held", "services/scheduler/api.py",
+      'if need != "read" and access != "cancel":', 'if need == "cancel" and access != "cancel":'),
     # --- health ----------------------------------------------------------------------------------------------------
     M("a-lost-node-gives-one-retry-too-many", "a lost node's jobs requeue while retries last", HEALTH,
       "requeue = j.retries < j.max_retries", "requeue = j.retries <= j.max_retries"),

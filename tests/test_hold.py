@@ -23,13 +23,14 @@ async def pending_gpus(client, queue: str = "default") -> float:
 
 
 async def test_a_job_submitted_held_waits_on_a_free_node_until_released(eventlog: EventLog):
-    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, services):
         await with_a_node(eventlog)
         r = await client.post("/v1/jobs", json={**job("held", 4), "hold": True})
         assert r.status_code == 201 and r.json()["state"] == "held", r.text
         held = r.json()["id"]
         await quiet(eventlog)
         assert (await state_of(client, held))["state"] == "held", "placed although held"
+        assert services["scheduler"].projection.invalid_transitions == [], "the scheduler tried to place it"
         assert await pending_gpus(client) == 0, "a held job wants nothing of its queue"
         listed = (await client.get("/v1/jobs", params={"state": "held"})).json()
         assert [j["id"] for j in listed] == [held]
@@ -112,3 +113,29 @@ async def test_gpuorch_submit_hold_and_release_from_the_command_line(eventlog: E
         assert (await state_of(client, json.loads(out[out.index("{"):])["id"]))["state"] == "held"
         code, out = await gpuorch("hold", held)
         assert code == 0 and f"held {held}: held" in out, out
+
+
+async def test_a_hold_that_loses_a_race_with_the_job_s_next_event_is_refused_not_appended(eventlog: EventLog,
+                                                                                         monkeypatch):
+    """The hold expects the job's last event to be the one it was read at: one appended in between (here a
+    cancellation; a placement alike) makes it 409, where appending it anyway would have held a job that moved."""
+    from shared import events as ev
+    from shared.events import Envelope
+
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        await with_a_node(eventlog)
+        await client.post("/v1/jobs", json=job("blocker", 8))
+        waiting = (await client.post("/v1/jobs", json=job("waits", 8))).json()["id"]
+        await quiet(eventlog)
+        real = eventlog.append
+
+        async def cancelled_first(env, *a, **kw):
+            if isinstance(env.data, ev.JobHeld):
+                await real(Envelope(ev.JobCancelled(job_id=waiting, reason="in between")))
+            return await real(env, *a, **kw)
+        monkeypatch.setattr(eventlog, "append", cancelled_first)
+        r = await client.post(f"/v1/jobs/{waiting}/hold")
+        assert r.status_code == 409 and f"job {waiting} is cancelled" in r.json()["detail"], r.text
+        monkeypatch.undo()
+        held = [e for e in (await client.get(f"/v1/jobs/{waiting}/events")).json() if e["type"] == "job.held"]
+        assert held == [], "nothing appended"

@@ -288,7 +288,7 @@ RULES: dict[str, Rule] = {
     # --- holds (tests/test_hold.py) -----------------------------------------------------------------------------------
     "a held job is never placed": Rule(
         "the scheduler proposes queued jobs only, and the fold refuses a placement of a held job (one decided before "
-        "the hold)", ("tests/test_hold.py", "tests/test_fold.py")),
+        "the hold); a release wakes the scheduler as a submission does", ("tests/test_hold.py", "tests/test_fold.py")),
     "a held job wants nothing": Rule("a held job is no queue's pending demand (quota, fair share, the autoscaler)",
                                      ("tests/test_hold.py", "tests/test_fold.py")),
     "a hold never lands on a job that moved": Rule(
@@ -885,6 +885,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "                await svc.caught_up(await svc.log.last_seq())",
       "seq = await svc.log.append(env)\n            except ConcurrencyConflict:\n"
       "                await svc.caught_up(await svc.log.last_seq())"),
+    M("a-release-waits-for-a-timed-cycle", "a held job is never placed", "services/scheduler/service.py",
+      'RELEVANT = ("job.queued", "job.released",', 'RELEVANT = ("job.queued",'),
     M("a-reader-may-hold", "only a waiting job is held", "services/scheduler/api.py",
       'if need != "read" and access != "cancel":', 'if need == "cancel" and access != "cancel":'),
     # --- health ----------------------------------------------------------------------------------------------------

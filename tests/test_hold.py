@@ -45,6 +45,20 @@ async def test_a_job_submitted_held_waits_on_a_free_node_until_released(eventlog
         assert r.status_code == 409 and "only a held job is released" in r.json()["detail"], r.text
 
 
+async def test_a_released_job_is_placed_at_once_not_at_the_next_timed_cycle(eventlog: EventLog):
+    """Its release wakes the scheduler as a submission does (the API's own wake may come before the fold)."""
+    from tests.support import until
+
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600, cycle_interval_s=3600) as (client, _):
+        await with_a_node(eventlog)
+        held = (await client.post("/v1/jobs", json={**job("held", 4), "hold": True})).json()["id"]
+        assert (await client.post(f"/v1/jobs/{held}/release")).status_code == 200
+
+        async def placed():
+            return (await state_of(client, held))["state"] == "placed"
+        await until(placed, 10, "the released job to be placed")
+
+
 async def test_a_queued_job_held_is_passed_over_and_its_turn_comes_after_release(eventlog: EventLog):
     async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
         await with_a_node(eventlog)

@@ -691,8 +691,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                     return False
                 job = moved
                 continue
-            scheduler.wake.set()
-            await svc.caught_up(seq)
+            await svc.caught_up(seq)  # its fold wakes the scheduler (a wake before the fold could pass it over)
             return True
         raise HTTPException(503, f"job {job.job_id} kept changing: try again")
 

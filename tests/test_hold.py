@@ -32,6 +32,8 @@ async def test_a_job_submitted_held_waits_on_a_free_node_until_released(eventlog
         assert (await state_of(client, held))["state"] == "held", "placed although held"
         assert services["scheduler"].projection.invalid_transitions == [], "the scheduler tried to place it"
         assert await pending_gpus(client) == 0, "a held job wants nothing of its queue"
+        r = await client.post(f"/v1/jobs/{held}/hold")
+        assert r.status_code == 409 and r.json()["detail"] == f"job {held} is held already", r.text
         listed = (await client.get("/v1/jobs", params={"state": "held"})).json()
         assert [j["id"] for j in listed] == [held]
 

@@ -296,7 +296,7 @@ RULES: dict[str, Rule] = {
         "makes it 409", ("tests/test_hold.py",)),
     "only a waiting job is held": Rule(
         "a placed or running job is not held (409; the fold refuses it), only a held job is released; who may "
-        "cancel a job may hold it", ("tests/test_hold.py", "tests/test_fold.py")),
+        "cancel a job may hold it; only an admin releases an admin's hold", ("tests/test_hold.py", "tests/test_fold.py")),
     # --- health (tests/health) ---------------------------------------------------------------------------------------
     "a lost node's jobs requeue while retries last": Rule(
         "every job holding resources on a lost node (placed, running, being stopped) is requeued while its retries "
@@ -887,6 +887,12 @@ MUTANTS: tuple[Mutant, ...] = (
       "                await svc.caught_up(await svc.log.last_seq())"),
     M("a-release-waits-for-a-timed-cycle", "a held job is never placed", "services/scheduler/service.py",
       'RELEVANT = ("job.queued", "job.released",', 'RELEVANT = ("job.queued",'),
+    M("an-admins-hold-released-by-its-owner", "only a waiting job is held", "services/scheduler/api.py",
+      'if verb == "release" and job.held_by_admin and p.role != "admin":',
+      'if verb == "release" and job.held_by_admin and p.role == "nobody":'),
+    M("the-fold-forgets-an-admins-hold", "only a waiting job is held", "shared/cluster.py",
+      'job.state, job.reason, job.held_by_admin = "held", e.reason, e.admin',
+      'job.state, job.reason, job.held_by_admin = "held", e.reason, False'),
     M("a-reader-may-hold", "only a waiting job is held", "services/scheduler/api.py",
       'if need != "read" and access != "cancel":', 'if need == "cancel" and access != "cancel":'),
     # --- health ----------------------------------------------------------------------------------------------------

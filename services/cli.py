@@ -733,7 +733,7 @@ def hold(job_ids: JobIds, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -
 
 @app.command()
 def release(job_ids: JobIds, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
-    """Release held jobs, like scontrol release: they wait in their queues again."""
+    """Release held jobs, like scontrol release: they wait in their queues again (an admin's hold: admins only)."""
     _hold_or_release("release", job_ids, url, as_json)
 
 

@@ -104,6 +104,7 @@ class JobRecord:
     preemptions: list[float] = field(default_factory=list)  # times it was preempted
     retries: int = 0
     lost_before_start: int = 0  # times it went back to the queue before any of its tasks started (no retry spent)
+    held_by_admin: bool = False  # held, by an admin: only an admin releases it
     timed_out: bool = False
     seq: int = 0  # stream sequence of the last event on this job: the expected sequence of the next decision
     attempt: int = 0  # stream sequence of the job.placed of its latest placement: agents and decisions name it
@@ -343,11 +344,11 @@ class ClusterProjection(Projection):
 
     def on_job_held(self, env: Envelope, e: ev.JobHeld) -> None:
         if job := self._job(env, e.job_id, HOLDABLE):
-            job.state, job.reason = "held", e.reason
+            job.state, job.reason, job.held_by_admin = "held", e.reason, e.admin
 
     def on_job_released(self, env: Envelope, e: ev.JobReleased) -> None:
         if job := self._job(env, e.job_id, {"held"}):
-            job.state, job.reason = "queued", ""
+            job.state, job.reason, job.held_by_admin = "queued", "", False
 
     def on_job_unschedulable(self, env: Envelope, e: ev.JobUnschedulable) -> None:
         moved = self.jobs.get(e.job_id)

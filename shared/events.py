@@ -200,6 +200,7 @@ class JobHeld(Event):
     TYPE, KEY = "job.held", "job_id"
     job_id: JobId
     reason: str = ""
+    admin: bool = False  # an admin's hold (Slurm's JobHeldAdmin): only an admin releases it
 
 
 @register

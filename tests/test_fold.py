@@ -219,6 +219,8 @@ def test_a_held_job_is_never_placed_wants_nothing_and_waits_again_once_released(
     assert not f(ev.JobReleased(job_id="a")), "only a held job is released"
     assert f(on_n1("a"))
     assert not f(ev.JobHeld(job_id="a")), "a placed job is not held"
+    assert f(ev.JobHeld(job_id="b", admin=True)) and f.proj.jobs["b"].held_by_admin
+    assert f(ev.JobReleased(job_id="b")) and not f.proj.jobs["b"].held_by_admin
     assert f(ev.JobHeld(job_id="b")) and f(ev.JobCancelled(job_id="b"))
     assert f.proj.jobs["b"].state == "cancelled"
 

@@ -69,7 +69,7 @@ async def test_a_queued_job_held_is_passed_over_and_its_turn_comes_after_release
         first, second, third = ids
         assert [(await state_of(client, i))["state"] for i in ids] == ["placed", "queued", "queued"]
         r = await client.post(f"/v1/jobs/{second}/hold")
-        assert r.status_code == 200 and (r.json()["state"], r.json()["reason"]) == ("held", "held by admin"), r.text
+        assert r.status_code == 200 and (r.json()["state"], r.json()["reason"]) == ("held", "held by admin (an admin)"), r.text
         assert await pending_gpus(client) == 8, "only the third wants its GPUs"
         assert (await client.delete(f"/v1/jobs/{first}")).status_code == 200
         await quiet(eventlog)
@@ -95,6 +95,12 @@ async def test_only_who_may_cancel_a_job_may_hold_or_release_it_and_an_array_is_
         assert (await alice.post(f"/v1/jobs/{hers}/hold")).status_code == 200
         assert (await bob.post(f"/v1/jobs/{hers}/release")).status_code == 403
         assert (await alice.post(f"/v1/jobs/{hers}/release")).status_code == 200
+        # an admin's hold (Slurm's JobHeldAdmin): its owner may not release it
+        r = await client.post(f"/v1/jobs/{hers}/hold")
+        assert r.status_code == 200 and r.json()["reason"] == "held by admin (an admin)", r.text
+        r = await alice.post(f"/v1/jobs/{hers}/release")
+        assert r.status_code == 403 and "only an admin releases it" in r.json()["detail"], r.text
+        assert (await client.post(f"/v1/jobs/{hers}/release")).status_code == 200
 
         array = (await alice.post("/v1/jobs", json={**job("arr", 8), "array": {"indices": [0, 1, 2]}})).json()["id"]
         assert (await carol.post(f"/v1/jobs/{array}/hold")).status_code == 404
@@ -104,6 +110,9 @@ async def test_only_who_may_cancel_a_job_may_hold_or_release_it_and_an_array_is_
         assert (await alice.post(f"/v1/jobs/{array}/hold")).status_code == 409, "none waits to be held"
         r = await alice.post(f"/v1/jobs/{array}/release")
         assert r.status_code == 200 and len(r.json()["released"]) == 3, r.text
+        assert (await client.post(f"/v1/jobs/{array}/hold")).status_code == 200
+        r = await alice.post(f"/v1/jobs/{array}/release")
+        assert r.status_code == 403 and "held by an admin" in r.json()["detail"], r.text
 
 
 async def test_gpuorch_submit_hold_and_release_from_the_command_line(eventlog: EventLog, monkeypatch, tmp_path):

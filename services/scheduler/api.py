@@ -662,11 +662,15 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         if job_id not in proj.jobs and (members := elements(job_id, p)):
             if any(job_access(p, j, proj.queues) != "cancel" for j in members):
                 raise HTTPException(403, f"{p.user} may see array {job_id} but not {verb} it")
+            if verb == "release" and p.role != "admin" and any(j.held_by_admin for j in members):
+                raise HTTPException(403, f"jobs of array {job_id} were held by an admin: only an admin releases them")
             done = [j.job_id for j in members if j.state in want and await held_or_released(j, p, verb, want)]
             if not done:
                 raise HTTPException(409, f"no job of array {job_id} is {'waiting' if verb == 'hold' else 'held'}")
             return {"id": job_id, "array": job_id, "held" if verb == "hold" else "released": done}
         job = known(job_id, p, verb)
+        if verb == "release" and job.held_by_admin and p.role != "admin":
+            raise HTTPException(403, f"job {job_id} was held by an admin ({job.reason}): only an admin releases it")
         if job.state not in want or not await held_or_released(job, p, verb, want):
             job = proj.jobs.get(job_id, job)
             raise HTTPException(409, f"job {job_id} is held already" if verb == "hold" and job.state == "held" else
@@ -680,8 +684,9 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         job left ``want`` meanwhile; a reason logged meanwhile (the job did not move) is read, then tried again."""
         assert svc.log is not None
         for _ in range(3):
-            event = ev.JobHeld(job_id=job.job_id, reason=f"held by {p.user}") if verb == "hold" \
-                else ev.JobReleased(job_id=job.job_id)
+            admin = p.role == "admin"
+            event = ev.JobHeld(job_id=job.job_id, reason=f"held by {p.user}" + (" (an admin)" if admin else ""),
+                               admin=admin) if verb == "hold" else ev.JobReleased(job_id=job.job_id)
             env = Envelope(event, id=f"{job.job_id}-{verb}-{job.seq}", source="/gpuorch/scheduler", actor=p.user)
             try:
                 seq = await svc.log.append(env, expected_last_subject_seq=job.seq)

@@ -49,8 +49,8 @@ from shared.eventlog import AGENT_STREAM, STREAM, EventLog
 from shared.metrics import merge_expositions
 from shared.natsauth import Credentials
 from shared.natsd import NatsServer, free_port
-from shared.runtime import (Metrics, Service, StopSignals, build_app, fold_once, http_server, listen, run_process,
-                            serve_until_signal)
+from shared.runtime import (STARTING, Metrics, Service, StopSignals, build_app, fold_once, http_server, listen,
+                            run_process, serve_until_signal)
 from shared.settings import Settings
 from shared.telemetry import current_traceparent, setup_logging, setup_tracing
 
@@ -556,7 +556,10 @@ async def serve_gateway(
                 # every value of a repeated parameter (?state=queued&state=running), not only the last
                 resp = await client.request(request.method, url, params=request.query_params.multi_items(),
                                             content=body, headers=headers)
-                break
+                if not (STARTING in resp.headers and time.monotonic() < deadline):
+                    break
+                await asyncio.sleep(CONNECT_RETRY_EVERY_S)  # started again, replaying: nothing was done, ask again
+                continue
             except httpx.HTTPError as e:
                 if time.monotonic() >= deadline or not may_send_again(request.method, e, safe_post):
                     return unavailable(name, e)

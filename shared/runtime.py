@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Response
 from fastapi.responses import PlainTextResponse
 from nats.aio.msg import Msg
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -630,10 +630,24 @@ def build_app(services: list[Service], extra_routers: list[APIRouter] = (), *, a
     app.include_router(ops_router(services))
     for s in services:
         if s.router_factory is not None:
-            app.include_router(s.router_factory(s))
+            app.include_router(s.router_factory(s), dependencies=[Depends(caught_up_with_the_log(s))])
     for r in extra_routers:
         app.include_router(r)
     return app
+
+
+STARTING = "x-gpuorch-starting"  # a 503's header: the service has not caught up with the log yet (ask again soon)
+
+
+def caught_up_with_the_log(s: Service) -> Callable[[], Awaitable[None]]:
+    """A service's routes answer 503 (Retry-After: 1, and STARTING) until it has caught up with the log: a process
+    started again serves HTTP while it connects and replays, and its projection is empty or stale meanwhile (a
+    job read there would be "unknown"; a submission would have no log to append to)."""
+    async def dependency() -> None:
+        if s.log is None or not s.ready.is_set():
+            raise HTTPException(503, f"{s.name} is starting: it has not caught up with the event log yet",
+                                headers={"Retry-After": "1", STARTING: s.name})
+    return dependency
 
 
 def offline_docs(app: FastAPI) -> None:

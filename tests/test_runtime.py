@@ -321,3 +321,23 @@ async def test_a_metrics_scrape_walks_the_jobs_off_the_event_loop():
     r, during = await turns_while_answering(svc, "/metrics")
     assert r.status_code == 200 and 'gpuorch_jobs_pending{priority="normal",queue="default"} 20000.0' in r.text
     assert during > 10, f"the loop turned {during} times while the collectors walked the jobs: it was on the loop"
+
+
+async def test_a_service_that_has_not_caught_up_with_the_log_answers_503_starting_not_from_an_empty_projection(
+        eventlog):
+    """A service started again serves HTTP while it connects and replays: its routes answer 503 with Retry-After and
+    x-gpuorch-starting until it is ready (a submission there failed 500 on a log not yet connected; a job read
+    there would have been unknown). The ops routes answer meanwhile."""
+    from shared.runtime import STARTING
+    from tests.support import in_process_stack
+
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, services):
+        assert (await client.get("/v1/jobs")).status_code == 200
+        services["scheduler"].ready.clear()
+        r = await client.post("/v1/jobs", json={"name": "j", "resources": {"gpus": 0}, "command": ["true"]})
+        assert r.status_code == 503 and r.headers[STARTING] == "scheduler" and r.headers["retry-after"] == "1", r.text
+        assert "scheduler is starting" in r.json()["detail"]
+        assert (await client.get("/v1/jobs")).status_code == 503
+        assert (await client.get("/healthz")).status_code == 200
+        services["scheduler"].ready.set()
+        assert (await client.get("/v1/jobs")).status_code == 200

@@ -296,7 +296,8 @@ RULES: dict[str, Rule] = {
         "makes it 409", ("tests/test_hold.py",)),
     "only a waiting job is held": Rule(
         "a placed or running job is not held (409; the fold refuses it), only a held job is released; who may "
-        "cancel a job may hold it; only an admin releases an admin's hold", ("tests/test_hold.py", "tests/test_fold.py")),
+        "cancel a job may hold it; only an admin releases an admin's hold",
+        ("tests/test_hold.py", "tests/test_fold.py")),
     # --- health (tests/health) ---------------------------------------------------------------------------------------
     "a lost node's jobs requeue while retries last": Rule(
         "every job holding resources on a lost node (placed, running, being stopped) is requeued while its retries "
@@ -874,8 +875,8 @@ MUTANTS: tuple[Mutant, ...] = (
       'job = self._job(env, e.job_id, {"queued"})\n        if job is None:', 'job = self._job(env, e.job_id, '
       '{"queued", "held"})\n        if job is None:'),
     M("a-held-job-counts-as-pending", "a held job wants nothing", "shared/cluster.py",
-      "            elif state in PENDING:\n                q, waited", '            elif state in PENDING or state == "held":'
-      "\n                q, waited"),
+      "            elif state in PENDING:\n                q, waited",
+      '            elif state in PENDING or state == "held":\n                q, waited'),
     M("a-running-job-can-be-held", "only a waiting job is held", "services/scheduler/api.py",
       'want = HOLDABLE if verb == "hold"', 'want = CANCELLABLE if verb == "hold"'),
     M("the-fold-holds-a-placed-job", "only a waiting job is held", "shared/cluster.py",

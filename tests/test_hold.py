@@ -69,7 +69,8 @@ async def test_a_queued_job_held_is_passed_over_and_its_turn_comes_after_release
         first, second, third = ids
         assert [(await state_of(client, i))["state"] for i in ids] == ["placed", "queued", "queued"]
         r = await client.post(f"/v1/jobs/{second}/hold")
-        assert r.status_code == 200 and (r.json()["state"], r.json()["reason"]) == ("held", "held by admin (an admin)"), r.text
+        assert r.status_code == 200, r.text
+        assert (r.json()["state"], r.json()["reason"]) == ("held", "held by admin (an admin)")
         assert await pending_gpus(client) == 8, "only the third wants its GPUs"
         assert (await client.delete(f"/v1/jobs/{first}")).status_code == 200
         await quiet(eventlog)

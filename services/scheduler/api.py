@@ -673,9 +673,9 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             raise HTTPException(403, f"job {job_id} was held by an admin ({job.reason}): only an admin releases it")
         if job.state not in want or not await held_or_released(job, p, verb, want):
             job = proj.jobs.get(job_id, job)
-            raise HTTPException(409, f"job {job_id} is held already" if verb == "hold" and job.state == "held" else
-                                f"job {job_id} is {job.state}: " + ("only a job that waits to be placed can be held"
-                                                                    if verb == "hold" else "only a held job is released"))
+            why = "only a job that waits to be placed can be held" if verb == "hold" else "only a held job is released"
+            raise HTTPException(409, f"job {job_id} is held already" if verb == "hold" and job.state == "held"
+                                else f"job {job_id} is {job.state}: {why}")
         return view(proj.jobs.get(job_id, job))
 
     async def held_or_released(job: JobRecord, p: Principal, verb: str, want: frozenset[str]) -> bool:

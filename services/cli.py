@@ -738,15 +738,15 @@ def release(job_ids: JobIds, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False
 
 
 def _hold_or_release(verb: str, job_ids: list[str], url: str, as_json: bool) -> None:
+    done_word = "held" if verb == "hold" else "released"  # as the API names an array's list
     for job_id in job_ids:  # in order; the first refused stops the command, as scontrol does
         done = api("POST", url, f"/v1/jobs/{job_id}/{verb}")
         if as_json:
             print_json(done)
         elif "array" in done:
-            ids = done["held" if verb == "hold" else "released"]
-            console.print(f"{'held' if verb == 'hold' else 'released'} array {job_id}: {len(ids)} job(s)")
+            console.print(f"{done_word} array {job_id}: {len(done[done_word])} job(s)")
         else:
-            console.print(f"{'held' if verb == 'hold' else 'released'} {job_id}: {done['state']}")
+            console.print(f"{done_word} {job_id}: {done['state']}")
 
 
 def _at(ts: float | None, now: float) -> str:

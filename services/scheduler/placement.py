@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.scheduler.fragmentation import CpuAwareFragMemo, FragMemo, TypicalShape, fgd_score
+from services.scheduler.fragmentation import FillFragMemo, FragMemo, TypicalShape, fgd_score
 from shared.model import MILLI
 
 POLICIES = ("fgd", "bestfit", "binpack", "spread", "random", "dotprod", "gpupacking", "gpuclustering", "fgd+")
@@ -130,11 +130,9 @@ class NodeScorer:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.policy = policy
         self.fgd = policy in ("fgd", "fgd+")
-        self.frag = FragMemo(typical)
-        # fgd+ scores (FGD, CPU-aware FGD): the CPU-aware measure only breaks FGD's ties, before the node order.
-        self.measures: tuple[FragMemo, ...] = (self.frag,)
-        if policy == "fgd+":
-            self.measures += (CpuAwareFragMemo(typical),)
+        # fgd+ is FGD's integer score over the fill measure (half FGD's F, half the idle GPU left once the
+        # target workload has filled the node), ties to the node order as FGD's.
+        self.frag = FillFragMemo(typical) if policy == "fgd+" else FragMemo(typical)
         self.rng = random.Random(seed)
         self.max_cpu, self.max_gpu = max_cpu, max_gpu
         self.deterministic = policy != "random"
@@ -199,30 +197,25 @@ class NodeScorer:
             return self._gpuclustering(node, pod)
         return 0  # random draws among feasible nodes instead of scoring
 
-    def _fgd_delta(self, before: Sequence[float], model: str, cpu: int, free: Sequence[int]) -> int | tuple[int, ...]:
-        """FGD's integer score of one move per measure: an int for fgd, a tuple compared in order for fgd+."""
-        s = tuple(fgd_score(b, f.frag(model, cpu, free)) for b, f in zip(before, self.measures))
-        return s if len(s) > 1 else s[0]
-
-    def _fgd_shared(self, node: NodeFree, pod: PodShape, ok: Mask) -> tuple[int | tuple[int, ...], int | None]:
-        # Every GPU with room is tried; the first index reaching the best score (fgd+: score pair) wins.
-        before = [f.frag(node.model, node.cpu, node.free) for f in self.measures]
+    def _fgd_shared(self, node: NodeFree, pod: PodShape, ok: Mask) -> tuple[int, int | None]:
+        # Every GPU with room is tried; the first index reaching the best score wins.
+        before = self.frag.frag(node.model, node.cpu, node.free)
         cpu_after = node.cpu - pod.cpu
         free = list(node.free)
-        best: int | tuple[int, ...] = -1
+        best = -1
         gpu = None
         for i, r in enumerate(free):
             if r < pod.milli or (ok is not None and not ok[i]):
                 continue
             free[i] = r - pod.milli
-            s = self._fgd_delta(before, node.model, cpu_after, free)
+            s = fgd_score(before, self.frag.frag(node.model, cpu_after, free))
             free[i] = r
-            if gpu is None or s > best:  # type: ignore[operator]
+            if s > best:
                 best, gpu = s, i
         return best, gpu
 
-    def _fgd_whole(self, node: NodeFree, pod: PodShape, ok: Mask) -> int | tuple[int, ...]:
-        before = [f.frag(node.model, node.cpu, node.free) for f in self.measures]
+    def _fgd_whole(self, node: NodeFree, pod: PodShape, ok: Mask) -> int:
+        before = self.frag.frag(node.model, node.cpu, node.free)
         after = list(node.free)
         left = pod.count
         if left:
@@ -232,7 +225,7 @@ class NodeScorer:
                     left -= 1
                     if left == 0:
                         break
-        return self._fgd_delta(before, node.model, node.cpu - pod.cpu, after)
+        return fgd_score(before, self.frag.frag(node.model, node.cpu - pod.cpu, after))
 
     def _bestfit(self, node: NodeFree, pod: PodShape) -> int:
         cpu_term = 0.5 * (node.cpu - pod.cpu) / self.max_cpu

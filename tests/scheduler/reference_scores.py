@@ -9,6 +9,7 @@ selection takes. Ties are the caller's: ``best`` returns every node reaching the
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -97,21 +98,34 @@ def frag(shapes: Sequence[Typical], model: str, cpu: int, free: Sequence[int]) -
     return total
 
 
-def frag_cpu_aware(shapes: Sequence[Typical], model: str, cpu: int, free: Sequence[int]) -> float:
-    """fgd+: as F, but shape t uses only as many of its tasks' GPUs (roomiest first) as the CPU left feeds."""
-    idle = sum(free)
-    total = 0.0
-    for t in shapes:
-        if t.milli == 0 or (t.models and model not in t.models):
-            amount = idle
-        else:
-            room = sorted((r for r in free if r >= t.milli), reverse=True)
-            tasks = len(room) // t.count
-            if t.cpu:
-                tasks = min(tasks, cpu // t.cpu)
-            amount = idle - sum(room[: tasks * t.count])
-        total += t.p * amount
-    return total
+def fill_sample(shapes: Sequence[Typical]) -> list[list[Typical]]:
+    """fgd+'s fixed sample of futures: 32 sequences of 64 shapes drawn by probability with random.Random(12345)."""
+    rng = random.Random(12345)
+    return [rng.choices(list(shapes), [t.p for t in shapes], k=64) for _ in range(32)] if shapes else []
+
+
+def idle_after(seq: Sequence[Typical], model: str, cpu: int, free: Sequence[int]) -> int:
+    """The node's idle milli once each shape of ``seq`` in turn took its CPU and the k GPUs of least room that fit
+    it (a refused model, too little CPU or too few GPUs: skipped)."""
+    room = sorted(free)
+    for t in seq:
+        if t.cpu > cpu or (t.milli and t.models and model not in t.models):
+            continue
+        fits = [j for j, r in enumerate(room) if r >= t.milli]
+        if t.milli and len(fits) < t.count:
+            continue
+        cpu -= t.cpu
+        for j in fits[: t.count] if t.milli else ():
+            room[j] -= t.milli
+        room.sort()
+    return sum(room)
+
+
+def frag_plus(shapes: Sequence[Typical], model: str, cpu: int, free: Sequence[int]) -> float:
+    """fgd+: the mean of F and the idle milli left after the fill, averaged over the sample's sequences."""
+    sample = fill_sample(shapes)
+    left = sum(idle_after(seq, model, cpu, free) for seq in sample) / len(sample) if sample else 0.0
+    return (frag(shapes, model, cpu, free) + left) / 2
 
 
 def sigmoid_score(before: float, after: float) -> int:
@@ -128,15 +142,13 @@ def first_free(node: RefNode, pod: RefPod) -> tuple[int, ...]:
     return tuple([i for i, r in enumerate(node.free) if r >= pod.milli][: pod.count])
 
 
-def fgd(node: RefNode, pod: RefPod, shapes: Sequence[Typical], measures=(frag,)) -> tuple[object, tuple[int, ...]]:
+def fgd(node: RefNode, pod: RefPod, shapes: Sequence[Typical], measure=frag) -> tuple[int, tuple[int, ...]]:
     """§2.5: a sharing pod tries every GPU with room (the first reaching the best integer score wins); any
-    other pod takes its k GPUs in ascending order of room (stable by index). Several measures (fgd+): a tuple
-    of integer scores, compared in order."""
-    before = [m(shapes, node.model, node.cpu, node.free) for m in measures]
+    other pod takes its k GPUs in ascending order of room (stable by index). fgd+: the same over its measure."""
+    before = measure(shapes, node.model, node.cpu, node.free)
 
-    def scored(cpu: int, free: Sequence[int]) -> object:
-        s = tuple(sigmoid_score(b, m(shapes, node.model, cpu, free)) for b, m in zip(before, measures))
-        return s if len(s) > 1 else s[0]
+    def scored(cpu: int, free: Sequence[int]) -> int:
+        return sigmoid_score(before, measure(shapes, node.model, cpu, free))
 
     if pod.sharing:
         best, gpu = None, -1
@@ -177,7 +189,7 @@ def score(policy: str, node: RefNode, pod: RefPod, shapes: Sequence[Typical]) ->
     if policy == "fgd":
         return fgd(node, pod, shapes)
     if policy == "fgd+":
-        return fgd(node, pod, shapes, (frag, frag_cpu_aware))  # FGD's score first, CPU-aware on its ties
+        return fgd(node, pod, shapes, frag_plus)
     if policy == "bestfit":
         raw = 1 - (0.5 * (node.cpu - pod.cpu) / MAX_CPU + 0.5 * left_gpu / MAX_GPU)
         return math.floor(raw * 100), best_fit_gpu(node, pod)

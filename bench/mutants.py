@@ -48,6 +48,7 @@ CORE = "services/scheduler/core.py"
 GANG = "services/scheduler/gang.py"
 WORK = "services/scheduler/workstate.py"
 PLACEMENT = "services/scheduler/placement.py"
+FRAG = "services/scheduler/fragmentation.py"
 PREEMPTION = "services/scheduler/preemption.py"
 PLAN = "services/scheduler/plan.py"
 SHAPES = "services/scheduler/shapes.py"
@@ -83,6 +84,10 @@ RULES: dict[str, Rule] = {
     "constraints": Rule("GPU model, GPU memory, compute capability, node labels, CPU and memory are honoured",
                         (SR, CORE_T, PROPS)),
     "fractional sharing": Rule("milli-GPU shares never add up to more than a GPU", (SR, CORE_T, PROPS)),
+    "fgd+ scores the fill": Rule(
+        "fgd+ is FGD's integer score over the mean of FGD's F and the idle GPU a node keeps once the fixed sample of "
+        "target-workload sequences has filled it (tasks take CPU and the tightest GPUs that fit)",
+        ("tests/scheduler/test_fgdplus_rule.py", "tests/scheduler/test_fgdplus_multigpu.py")),
     "MIG profiles": Rule("a MIG task takes a free slice of its own profile", (SR, CORE_T, PROPS)),
     "backfill": Rule("a later job starts only if it cannot delay the reservation of the blocked head job",
                      (SR, CORE_T, PROPS)),
@@ -389,6 +394,19 @@ MUTANTS: tuple[Mutant, ...] = (
     # --- sharing ----------------------------------------------------------------------------------------------------
     M("shared-gpu-over-committed-by-fgd", "fractional sharing", PLACEMENT,
       "if r < pod.milli or (ok is not None and not ok[i]):", "if r <= 0 or (ok is not None and not ok[i]):"),
+    M("fgdplus-drops-fgds-half", "fgd+ scores the fill", FRAG,
+      "f = self._fill[key] = 0.5 * super().frag(model, cpu_left, free) + 0.5 * left", "f = self._fill[key] = left"),
+    M("fgdplus-drops-the-fill", "fgd+ scores the fill", FRAG,
+      "f = self._fill[key] = 0.5 * super().frag(model, cpu_left, free) + 0.5 * left",
+      "f = self._fill[key] = super().frag(model, cpu_left, free)"),
+    M("fgdplus-fill-ignores-cpu", "fgd+ scores the fill", FRAG,
+      "        if t.cpu_milli > cpu_left:\n            continue\n", ""),
+    M("fgdplus-fill-cpu-only-tasks-take-no-cpu", "fgd+ scores the fill", FRAG,
+      "            cpu_left -= t.cpu_milli\n            continue\n", "            continue\n"),
+    M("fgdplus-fill-takes-the-roomiest-gpus", "fgd+ scores the fill", FRAG,
+      "sorted(room, key=free.__getitem__)[: t.gpu_count]", "sorted(room, key=free.__getitem__, reverse=True)[: t.gpu_count]"),
+    M("fgdplus-is-fgd", "fgd+ scores the fill", PLACEMENT,
+      'FillFragMemo(typical) if policy == "fgd+" else FragMemo(typical)', "FragMemo(typical)"),
     # --- backfill ---------------------------------------------------------------------------------------------------
     M("backfill-ignores-the-reservation", "backfill", CORE,
       "mode = NOW if limit is not None and self.now + limit <= res.start else LONG", "mode = NOW"),

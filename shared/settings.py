@@ -26,7 +26,7 @@ class Settings(BaseSettings):
     debounce_s: float = 0.02  # deciders' cycles start at least this far apart (bench.e2e: 0.05 cost a one-node
     # mix a third of its throughput; bench.ingest: 0.01 lengthened the POST tail over a long queue)
     reason_refresh_s: float = 300.0  # a waiting job's reason is logged when its kind changes, else at most this often
-    policy: str = "fgd+"  # FGD with CPU-aware fragmentation: above published FGD on every openb workload
+    policy: str = "fgd+"  # FGD over FGD's F and the fill measure: above FGD on every openb workload
     half_life_s: float = 7 * 86400  # decayed usage for fair share, as Slurm's PriorityDecayHalfLife
     reclaim_grace_s: int = 300  # grace a job gets when quota reclaims its GPUs
     reclaim_after_s: float = 0.0  # a queue below its guarantee reclaims only for work that waited this long

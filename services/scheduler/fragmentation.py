@@ -157,7 +157,7 @@ class FillFragMemo(FragMemo):
         rng = random.Random(seed)
         weights = [t.probability for t in self.shapes]
         self.scenarios = tuple(tuple(rng.choices(self.shapes, weights, k=draws)) for _ in range(scenarios)) \
-            if self.shapes else ()
+            if sum(weights) > 0 else ()
         self._fill: dict[tuple[str, int, tuple[int, ...]], float] = {}
 
     def __len__(self) -> int:

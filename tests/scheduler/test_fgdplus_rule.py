@@ -127,3 +127,10 @@ def test_the_benchmark_compares_fgdplus_with_fgd_per_seed_and_over_workloads() -
     assert "| b | 97.00 | 97.30 |" in text and "+0.30 (worst +0.30)" in text
     assert text.rstrip().endswith("| mean of the 2 | | | +0.25 | +0.25 | +0.25 | +0.25 |")
     assert compare({"a": {"fgd": done["a"]["fgd"]}}, "fgd+", "fgd", [42, 43]) is None
+
+
+def test_a_target_workload_without_weights_scores_every_move_alike_as_fgd_does() -> None:
+    shapes = [TypicalShape(4_000, 1000, 1)]  # no probability: nothing to draw the fill's sample from
+    node = NodeFree("n", 0, "G2", 96_000, 10**6, [1000] * 8)
+    pod = PodShape(4_000, 0, 1, 1000)
+    assert NodeScorer("fgd+", shapes).score(node, pod) == NodeScorer("fgd", shapes).score(node, pod) == 50

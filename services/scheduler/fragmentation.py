@@ -148,7 +148,7 @@ class FillFragMemo(FragMemo):
     that compete for the same room. It is blind to what the node's idle GPUs are worth
     elsewhere (a whole idle node fills as well as a half-used one), which FGD's half keeps:
     ranked by the fill measure alone, fgd+ opens every 8-GPU node early and drops the big pods
-    FGD places (multigpu60: 8 points under FGD at 130 % load).
+    FGD places (docs/benchmarks/openb.md, issue 15's twenty-third round).
     """
 
     def __init__(self, shapes: Iterable[TypicalShape], scenarios: int = FILL_SCENARIOS, draws: int = FILL_DRAWS,

@@ -904,6 +904,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "                await svc.caught_up(await svc.log.last_seq())",
       "seq = await svc.log.append(env)\n            except ConcurrencyConflict:\n"
       "                await svc.caught_up(await svc.log.last_seq())"),
+    M("an-array-hold-appended-whatever-moved", "a hold never lands on a job that moved", "services/scheduler/api.py",
+      "expected=[j.seq for j in jobs])", "expected=None)"),
     M("a-release-waits-for-a-timed-cycle", "a held job is never placed", "services/scheduler/service.py",
       'RELEVANT = ("job.queued", "job.released",', 'RELEVANT = ("job.queued",'),
     M("an-admins-hold-released-by-its-owner", "only a waiting job is held", "services/scheduler/api.py",

@@ -18,7 +18,7 @@ import os
 import re
 import zlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -394,7 +394,8 @@ class EventLog:
                 raise TimeoutError(f"append {env.type} {env.subject}: no acknowledgement within {timeout}s: {error!r}")
             await asyncio.sleep(0.1)
 
-    async def append_many(self, envs: Iterable[Envelope], timeout: float = 60) -> list[int]:
+    async def append_many(self, envs: Iterable[Envelope], timeout: float = 60,
+                          expected: Sequence[int | None] | None = None) -> list[int]:
         """Store many events with pipelined publishes; return their sequences in order.
 
         Every publish carries its own reply subject under one inbox, and one raw
@@ -402,13 +403,18 @@ class EventLog:
         future and a semaphore round per message). Publishes whose acknowledgement is
         lost are sent again: same ids, so stored once. Traced: one append span per trace
         context among the events (a batch of jobs, each in its own trace: one per job).
+        ``expected``: per event, the sequence its subject's last event must have (None:
+        any), as ``append``'s; an event refused for that is not stored, and its sequence is 0.
         """
         envs = list(envs)
+        if expected is not None and len(expected) != len(envs):
+            raise ValueError(f"append_many: {len(expected)} expected sequences for {len(envs)} events")
         if in_trace() or (tracing_on() and any(env.traceparent for env in envs)):
-            return await self._append_many_traced(envs, timeout)
-        return await self._append_many(envs, timeout)
+            return await self._append_many_traced(envs, timeout, expected)
+        return await self._append_many(envs, timeout, expected)
 
-    async def _append_many_traced(self, envs: list[Envelope], timeout: float) -> list[int]:
+    async def _append_many_traced(self, envs: list[Envelope], timeout: float,
+                                  expected: Sequence[int | None] | None) -> list[int]:
         groups: dict[str | None, list[int]] = {None: []}  # the events without a context first: the current span's
         for i, env in enumerate(envs):
             groups.setdefault(env.traceparent, []).append(i)
@@ -422,11 +428,13 @@ class EventLog:
                                                              first.id if len(members) == 1 else None))
                 for i in members if traceparent else ():
                     stamped[i] = replace(envs[i], traceparent=traceparent)
-            return await self._append_many(stamped, timeout)
+            return await self._append_many(stamped, timeout, expected)
 
-    async def _append_many(self, envs: list[Envelope], timeout: float) -> list[int]:
+    async def _append_many(self, envs: list[Envelope], timeout: float,
+                           expected: Sequence[int | None] | None = None) -> list[int]:
         seqs: list[int] = [0] * len(envs)
         errors: dict[int, APIError] = {}
+        refused: set[int] = set()  # not where ``expected`` says: settled, not stored
         prefix = self.nc.new_inbox()
         outstanding = 0
         all_acked = asyncio.Event()
@@ -434,10 +442,12 @@ class EventLog:
         async def on_ack(msg: Msg) -> None:
             nonlocal outstanding
             i = int(msg.subject.rsplit(".", 1)[1])
-            if seqs[i] or i in errors:
+            if seqs[i] or i in errors or i in refused:
                 return
             resp = from_json(msg.data) if msg.data else {}
-            if "error" in resp:
+            if "error" in resp and resp["error"].get("err_code") == WRONG_LAST_SEQUENCE and expected is not None:
+                refused.add(i)
+            elif "error" in resp:
                 errors[i] = APIError.from_error(resp["error"])
             elif "seq" in resp:
                 seqs[i] = resp["seq"]
@@ -457,7 +467,10 @@ class EventLog:
                 try:
                     for i in todo:
                         env = envs[i]
-                        await self.nc.publish(env.data.nats_subject, env.encode(), reply=f"{prefix}.{i}", headers=env.headers())
+                        headers = env.headers()
+                        if expected is not None and expected[i] is not None:
+                            headers["Nats-Expected-Last-Subject-Sequence"] = str(expected[i])
+                        await self.nc.publish(env.data.nats_subject, env.encode(), reply=f"{prefix}.{i}", headers=headers)
                     # each publish kicks the client's flusher; no flush() here: nats-py sets a PONG's result even
                     # when the flush awaiting it was cancelled, and that error ends its read loop (the connection
                     # then answers nothing: a scheduler stopped mid-append wedged its process so)
@@ -467,7 +480,7 @@ class EventLog:
                 fatal = [e for e in errors.values() if e.code != 503]
                 if fatal:
                     raise fatal[0]
-                todo = [i for i in range(len(envs)) if not seqs[i]]
+                todo = [i for i in range(len(envs)) if not seqs[i] and i not in refused]
                 errors.clear()
                 if todo and asyncio.get_running_loop().time() > deadline:
                     raise TimeoutError(f"append_many: {len(todo)} events unacknowledged after {timeout}s")

@@ -664,7 +664,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                 raise HTTPException(403, f"{p.user} may see array {job_id} but not {verb} it")
             if verb == "release" and p.role != "admin" and any(j.held_by_admin for j in members):
                 raise HTTPException(403, f"jobs of array {job_id} were held by an admin: only an admin releases them")
-            done = [j.job_id for j in members if j.state in want and await held_or_released(j, p, verb, want)]
+            done = await held_or_released_many([j for j in members if j.state in want], p, verb, want)
             if not done:
                 raise HTTPException(409, f"no job of array {job_id} is {'waiting' if verb == 'hold' else 'held'}")
             return {"id": job_id, "array": job_id, "held" if verb == "hold" else "released": done}
@@ -678,16 +678,35 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                                 else f"job {job_id} is {job.state}: {why}")
         return view(proj.jobs.get(job_id, job))
 
+    def hold_envelope(job: JobRecord, p: Principal, verb: str) -> Envelope:
+        admin = p.role == "admin"
+        event = ev.JobHeld(job_id=job.job_id, reason=f"held by {p.user}" + (" (an admin)" if admin else ""),
+                           admin=admin) if verb == "hold" else ev.JobReleased(job_id=job.job_id)
+        return Envelope(event, id=f"{job.job_id}-{verb}-{job.seq}", source="/gpuorch/scheduler", actor=p.user)
+
+    async def held_or_released_many(jobs: list[JobRecord], p: Principal, verb: str, want: frozenset[str]) -> list[str]:
+        """An array's holds or releases in one pipelined append, each expecting its job's last event as a single
+        one does; a job refused for that is read again and, if still in ``want``, tried alone. The ids done, in
+        order."""
+        assert svc.log is not None
+        if not jobs:
+            return []
+        seqs = await svc.log.append_many([hold_envelope(j, p, verb) for j in jobs], expected=[j.seq for j in jobs])
+        await svc.caught_up(max(seqs) if any(seqs) else await svc.log.last_seq())
+        done = []
+        for j, seq in zip(jobs, seqs):
+            now = proj.jobs.get(j.job_id)
+            if seq or (now is not None and now.state in want and await held_or_released(now, p, verb, want)):
+                done.append(j.job_id)
+        return done
+
     async def held_or_released(job: JobRecord, p: Principal, verb: str, want: frozenset[str]) -> bool:
         """Append the job's hold or release, expecting its last event to be the one it was read at: a placement
         appended meanwhile makes the hold fail (the job moved) rather than land on a running job. False when the
         job left ``want`` meanwhile; a reason logged meanwhile (the job did not move) is read, then tried again."""
         assert svc.log is not None
         for _ in range(3):
-            admin = p.role == "admin"
-            event = ev.JobHeld(job_id=job.job_id, reason=f"held by {p.user}" + (" (an admin)" if admin else ""),
-                               admin=admin) if verb == "hold" else ev.JobReleased(job_id=job.job_id)
-            env = Envelope(event, id=f"{job.job_id}-{verb}-{job.seq}", source="/gpuorch/scheduler", actor=p.user)
+            env = hold_envelope(job, p, verb)
             try:
                 seq = await svc.log.append(env, expected_last_subject_seq=job.seq)
             except ConcurrencyConflict:

@@ -737,6 +737,38 @@ def release(job_ids: JobIds, url: UrlOpt = DEFAULT_URL, as_json: JsonOpt = False
     _hold_or_release("release", job_ids, url, as_json)
 
 
+@app.command()
+def update(
+    job_ids: JobIds,
+    priority: Annotated[str | None, typer.Option(help="critical|high|normal|low: while the job waits")] = None,
+    time_limit: Annotated[str | None, typer.Option("--time-limit", "-t", "--time", help="as submit's: while the job "
+                                                   "waits or runs; only an admin raises one")] = None,
+    url: UrlOpt = DEFAULT_URL,
+    as_json: JsonOpt = False,
+) -> None:
+    """Change jobs, like scontrol update: the priority of a waiting job, the time limit of a waiting or running one.
+    An array's id changes every element that may be changed."""
+    change: dict[str, Any] = {}
+    if priority is not None:
+        change["priority"] = priority
+    if time_limit is not None:
+        if (limit := time_limit_s(time_limit)) is None:
+            fail(f"--time-limit {time_limit}: a job's limit can be lowered or raised, not removed")
+        change["time_limit_s"] = limit
+    if not change:
+        fail("nothing to change: give --priority, --time-limit or both")
+    for job_id in job_ids:  # in order; the first refused stops the command, as scontrol does
+        done = api("PATCH", url, f"/v1/jobs/{job_id}", json=change)
+        if as_json:
+            print_json(done)
+        elif "array" in done:
+            console.print(f"updated array {job_id}: {len(done['updated'])} job(s)")
+        else:
+            spec = done["spec"]
+            limit = f", time limit {_seconds(spec.get('time_limit_s'))}" if "time_limit_s" in change else ""
+            console.print(f"updated {job_id}: {done['state']}, priority {spec['priority']}{limit}")
+
+
 def _hold_or_release(verb: str, job_ids: list[str], url: str, as_json: bool) -> None:
     done_word = "held" if verb == "hold" else "released"  # as the API names an array's list
     for job_id in job_ids:  # in order; the first refused stops the command, as scontrol does

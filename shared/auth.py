@@ -58,6 +58,7 @@ ROUTE_ROLES: dict[tuple[str, str], str] = {
     ("DELETE", "/v1/jobs/{job_id}"): "user",
     ("POST", "/v1/jobs:cancel"): "user",
     ("POST", "/v1/jobs/{job_id}/hold"): "user",
+    ("PATCH", "/v1/jobs/{job_id}"): "user",
     ("POST", "/v1/jobs/{job_id}/release"): "user",
     ("GET", "/v1/jobs/{job_id}/logs"): "user",
     ("GET", "/v1/jobs/{job_id}/events"): "user",

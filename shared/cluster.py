@@ -23,6 +23,8 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled", "rejected"})
 PENDING = frozenset({"submitted", "queued"})
 HOLDABLE = PENDING  # a job that waits can be held; it is then "held" until released (it wants nothing meanwhile)
 CANCELLABLE = ACTIVE | PENDING | {"preempted", "held"}  # not ended: a cancellation ends it
+REPRIORITISABLE = PENDING | {"held"}  # a job's priority changes while it waits (job.updated)
+TIME_LIMITED = REPRIORITISABLE | {"placed", "running"}  # its time limit also while it runs
 
 
 def agent_source(node_id: str) -> str:
@@ -349,6 +351,11 @@ class ClusterProjection(Projection):
     def on_job_released(self, env: Envelope, e: ev.JobReleased) -> None:
         if job := self._job(env, e.job_id, {"held"}):
             job.state, job.reason, job.held_by_admin = "queued", "", False
+
+    def on_job_updated(self, env: Envelope, e: ev.JobUpdated) -> None:
+        if job := self._job(env, e.job_id, TIME_LIMITED if e.priority is None else REPRIORITISABLE):
+            change = {"priority": e.priority, "time_limit_s": e.time_limit_s}
+            job.spec = job.spec.model_copy(update={k: v for k, v in change.items() if v is not None})
 
     def on_job_unschedulable(self, env: Envelope, e: ev.JobUnschedulable) -> None:
         moved = self.jobs.get(e.job_id)

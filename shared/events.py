@@ -20,7 +20,9 @@ from typing import Any, Callable, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import from_json, to_json
 
-from shared.model import GpuUuid, JobId, JobSpec, NodeId, NodeInfo, QueuePath, QueueSpec, ResourceName, TaskIndex
+from shared.model import (
+    GpuUuid, JobId, JobSpec, NodeId, NodeInfo, Priority, QueuePath, QueueSpec, ResourceName, TaskIndex,
+)
 
 CE_PREFIX = "io.gpuorch."
 SUBJECT_PREFIX = "gpuorch.events"
@@ -207,6 +209,17 @@ class JobHeld(Event):
 class JobReleased(Event):
     TYPE, KEY = "job.released", "job_id"
     job_id: JobId
+
+
+@register
+class JobUpdated(Event):
+    """A change to a job's spec that its owner or an admin asked for (Slurm's ``scontrol update``): its priority
+    while it waits, its time limit while it waits or runs. A field left None is unchanged."""
+
+    TYPE, KEY = "job.updated", "job_id"
+    job_id: JobId
+    priority: Priority | None = None
+    time_limit_s: int | None = Field(default=None, gt=0, le=365 * 86400)
 
 
 @register

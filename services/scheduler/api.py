@@ -6,6 +6,7 @@ import hashlib
 import math
 import re
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query, Request, Response
@@ -25,10 +26,12 @@ from shared.api_errors import errors, path_id
 from shared.api_events import record_json
 from shared.auth import Principal, RateLimiter, caller, job_access, submit_error
 from services.scheduler.gates import dependency_verdict
-from shared.cluster import CANCELLABLE, HOLDABLE, JobRecord
+from shared.cluster import CANCELLABLE, HOLDABLE, REPRIORITISABLE, TIME_LIMITED, JobRecord
 from shared.eventlog import ConcurrencyConflict
 from shared.events import SUBJECT_PREFIX, Envelope, new_id, subject_token
-from shared.model import JOB_ID, QUEUE_PATH, ArrayElement, Dependency, EnvMap, Frozen, JobSpec, JsonNumber, NoNul
+from shared.model import (
+    JOB_ID, QUEUE_PATH, ArrayElement, Dependency, EnvMap, Frozen, JobSpec, JsonNumber, NoNul, Priority,
+)
 from shared.redact import redact
 from shared.runtime import Service
 from shared.telemetry import new_trace, span
@@ -133,6 +136,14 @@ FOLDS_PER_S, FOLD_WAIT_MAX_S = 500, 20.0
 def fold_wait_s(svc: Service, events: int) -> float:
     """How long an answer waits for the fold of the ``events`` its request appended."""
     return min(FOLD_WAIT_MAX_S, svc.catch_up_timeout_s + events / FOLDS_PER_S)
+
+
+class JobUpdate(Frozen):
+    """What PATCH /v1/jobs/{id} takes (scontrol update): a waiting job's priority, a waiting or running job's time
+    limit. Only an admin raises a time limit, as in Slurm."""
+
+    priority: Priority | None = None
+    time_limit_s: Annotated[int, Field(gt=0, le=365 * 86400), JsonNumber] | None = None
 
 
 class CancelRequest(Frozen):
@@ -664,14 +675,15 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                 raise HTTPException(403, f"{p.user} may see array {job_id} but not {verb} it")
             if verb == "release" and p.role != "admin" and any(j.held_by_admin for j in members):
                 raise HTTPException(403, f"jobs of array {job_id} were held by an admin: only an admin releases them")
-            done = await held_or_released_many([j for j in members if j.state in want], p, verb, want)
+            done = await appended_many([j for j in members if j.state in want], lambda j: hold_envelope(j, p, verb),
+                                       want)
             if not done:
                 raise HTTPException(409, f"no job of array {job_id} is {'waiting' if verb == 'hold' else 'held'}")
             return {"id": job_id, "array": job_id, "held" if verb == "hold" else "released": done}
         job = known(job_id, p, verb)
         if verb == "release" and job.held_by_admin and p.role != "admin":
             raise HTTPException(403, f"job {job_id} was held by an admin ({job.reason}): only an admin releases it")
-        if job.state not in want or not await held_or_released(job, p, verb, want):
+        if job.state not in want or not await appended(job, lambda j: hold_envelope(j, p, verb), want):
             job = proj.jobs.get(job_id, job)
             why = "only a job that waits to be placed can be held" if verb == "hold" else "only a held job is released"
             raise HTTPException(409, f"job {job_id} is held already" if verb == "hold" and job.state == "held"
@@ -684,29 +696,31 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
                            admin=admin) if verb == "hold" else ev.JobReleased(job_id=job.job_id)
         return Envelope(event, id=f"{job.job_id}-{verb}-{job.seq}", source="/gpuorch/scheduler", actor=p.user)
 
-    async def held_or_released_many(jobs: list[JobRecord], p: Principal, verb: str, want: frozenset[str]) -> list[str]:
-        """An array's holds or releases in one pipelined append, each expecting its job's last event as a single
-        one does; a job refused for that is read again and, if still in ``want``, tried alone. The ids done, in
-        order."""
+    async def appended_many(jobs: list[JobRecord], make: Callable[[JobRecord], Envelope],
+                            want: frozenset[str]) -> list[str]:
+        """Each job's event (an array's holds, releases, updates) in one pipelined append, each expecting its job's
+        last event as ``appended`` does; a job refused for that is read again and, if still in ``want``, tried
+        alone. The ids done, in order."""
         assert svc.log is not None
         if not jobs:
             return []
-        seqs = await svc.log.append_many([hold_envelope(j, p, verb) for j in jobs], expected=[j.seq for j in jobs])
+        seqs = await svc.log.append_many([make(j) for j in jobs], expected=[j.seq for j in jobs])
         await svc.caught_up(max(seqs) if any(seqs) else await svc.log.last_seq())
         done = []
         for j, seq in zip(jobs, seqs):
             now = proj.jobs.get(j.job_id)
-            if seq or (now is not None and now.state in want and await held_or_released(now, p, verb, want)):
+            if seq or (now is not None and now.state in want and await appended(now, make, want)):
                 done.append(j.job_id)
         return done
 
-    async def held_or_released(job: JobRecord, p: Principal, verb: str, want: frozenset[str]) -> bool:
-        """Append the job's hold or release, expecting its last event to be the one it was read at: a placement
-        appended meanwhile makes the hold fail (the job moved) rather than land on a running job. False when the
-        job left ``want`` meanwhile; a reason logged meanwhile (the job did not move) is read, then tried again."""
+    async def appended(job: JobRecord, make: Callable[[JobRecord], Envelope], want: frozenset[str]) -> bool:
+        """Append the job's event (hold, release, update), expecting its last event to be the one it was read at: a
+        placement appended meanwhile makes a hold fail (the job moved) rather than land on a running job. False
+        when the job left ``want`` meanwhile; a reason logged meanwhile (the job did not move) is read, then tried
+        again."""
         assert svc.log is not None
         for _ in range(3):
-            env = hold_envelope(job, p, verb)
+            env = make(job)
             try:
                 seq = await svc.log.append(env, expected_last_subject_seq=job.seq)
             except ConcurrencyConflict:
@@ -719,6 +733,46 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             await svc.caught_up(seq)  # its fold wakes the scheduler (a wake before the fold could pass it over)
             return True
         raise HTTPException(503, f"job {job.job_id} kept changing: try again")
+
+    @r.patch("/v1/jobs/{job_id}", responses=errors(409))
+    async def update(job_id: JobIdPath, change: JobUpdate, p: Caller) -> dict[str, Any]:
+        """Change a job, as Slurm's scontrol update: its priority while it waits (up to what its queue lets the
+        caller submit at), its time limit while it waits or runs (only an admin raises one). Who may cancel a job
+        may change it. An array's id changes every element that may be changed."""
+        if change.priority is None and change.time_limit_s is None:
+            raise HTTPException(422, "nothing to change: give priority, time_limit_s or both")
+        want = TIME_LIMITED if change.priority is None else REPRIORITISABLE
+        array = job_id not in proj.jobs and (members := elements(job_id, p))
+        jobs = members if array else [known(job_id, p, "change")]
+        if array and any(job_access(p, j, proj.queues) != "cancel" for j in jobs):
+            raise HTTPException(403, f"{p.user} may see array {job_id} but not change it")
+        for j in jobs:
+            if (why := update_error(j, change, p)) is not None:
+                raise HTTPException(403, why)
+
+        def make(j: JobRecord) -> Envelope:
+            return Envelope(ev.JobUpdated(job_id=j.job_id, priority=change.priority, time_limit_s=change.time_limit_s),
+                            id=f"{j.job_id}-update-{j.seq}-{change.priority}-{change.time_limit_s}",
+                            source="/gpuorch/scheduler", actor=p.user)
+        done = await appended_many([j for j in jobs if j.state in want], make, want)
+        if not done:
+            field, what = ("priority", "waits") if change.priority is not None else ("time limit", "waits or runs")
+            if array:
+                raise HTTPException(409, f"no job of array {job_id} {what}")
+            state = proj.jobs.get(job_id, jobs[0]).state
+            raise HTTPException(409, f"job {job_id} is {state}: a job's {field} is changed only while it {what}")
+        return {"id": job_id, "array": job_id, "updated": done} if array else view(proj.jobs.get(job_id, jobs[0]))
+
+    def update_error(job: JobRecord, change: JobUpdate, p: Principal) -> str | None:
+        """Why this caller may not make this change to this job (None: it may)."""
+        if p.role == "admin":
+            return None
+        old = job.spec.time_limit_s
+        if change.time_limit_s is not None and old is not None and change.time_limit_s > old:
+            return f"only an admin raises a job's time limit (job {job.job_id}: {old} s, asked {change.time_limit_s} s)"
+        if change.priority is not None:
+            return submit_error(p, proj.queues, job.spec.model_copy(update={"priority": change.priority}))
+        return None
 
     @r.get("/v1/jobs/{job_id}/logs", responses=errors(502, 503))
     async def job_logs(

@@ -55,9 +55,9 @@ PLACE_AT_ONCE = 256  # placements appended concurrently
 REST = 2.0
 T = TypeVar("T")
 
-RELEVANT = ("job.queued", "job.released", "job.requeued", "job.succeeded", "job.failed", "job.cancelled",
+RELEVANT = ("job.queued", "job.released", "job.updated", "job.requeued", "job.succeeded", "job.failed", "job.cancelled",
             "job.preempted", "node.", "gpu.", "queue.")
-SUBMISSION = ("job.queued", "job.released")  # of the relevant events, those that free no room
+SUBMISSION = ("job.queued", "job.released", "job.updated")  # of the relevant events, those that free no room
 
 
 class Scheduler:

@@ -299,6 +299,9 @@ RULES: dict[str, Rule] = {
     "a hold never lands on a job that moved": Rule(
         "a hold is appended expecting the job's last event to be the one it was read at: one appended in between "
         "makes it 409", ("tests/test_hold.py",)),
+    "a job changes within its rights": Rule(
+        "a job's priority changes only while it waits and within its queue's max_priority for users; only an admin "
+        "raises a time limit", ("tests/test_update.py", "tests/test_fold.py")),
     "only a waiting job is held": Rule(
         "a placed or running job is not held (409; the fold refuses it), only a held job is released; who may "
         "cancel a job may hold it; only an admin releases an admin's hold",
@@ -906,6 +909,13 @@ MUTANTS: tuple[Mutant, ...] = (
       "                await svc.caught_up(await svc.log.last_seq())"),
     M("an-array-hold-appended-whatever-moved", "a hold never lands on a job that moved", "services/scheduler/api.py",
       "expected=[j.seq for j in jobs])", "expected=None)"),
+    M("a-user-raises-a-time-limit", "a job changes within its rights", "services/scheduler/api.py",
+      "change.time_limit_s is not None and old is not None and change.time_limit_s > old",
+      "change.time_limit_s is not None and old is not None and change.time_limit_s > 10**9"),
+    M("priority-changed-past-the-queue-cap", "a job changes within its rights", "services/scheduler/api.py",
+      'return submit_error(p, proj.queues, job.spec.model_copy(update={"priority": change.priority}))', "return None"),
+    M("the-fold-changes-a-running-jobs-priority", "a job changes within its rights", "shared/cluster.py",
+      "TIME_LIMITED if e.priority is None else REPRIORITISABLE", "TIME_LIMITED"),
     M("a-release-waits-for-a-timed-cycle", "a held job is never placed", "services/scheduler/service.py",
       'RELEVANT = ("job.queued", "job.released",', 'RELEVANT = ("job.queued",'),
     M("an-admins-hold-released-by-its-owner", "only a waiting job is held", "services/scheduler/api.py",

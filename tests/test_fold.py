@@ -259,3 +259,17 @@ def test_an_unreadable_event_on_a_jobs_subject_still_moves_the_jobs_expected_seq
     assert f.proj.jobs["j-1"].seq == f.seq
     assert f.proj.jobs["j-2"].seq == before
     assert f.proj.seq == f.seq
+
+
+def test_an_update_changes_a_placed_jobs_time_limit_but_never_its_priority():
+    """job.updated: a priority only while the job waits, a time limit also while it runs; anything else (a forged or
+    raced event) changes nothing and is recorded as invalid."""
+    f = with_queued_jobs("a", "b")
+    assert f(elected(1))
+    assert f(on_n1("a", gpu=0), SCHEDULER, epoch=1)
+    assert f(ev.JobUpdated(job_id="a", time_limit_s=60))
+    assert not f(ev.JobUpdated(job_id="a", priority="critical"))
+    assert not f(ev.JobUpdated(job_id="a", priority="critical", time_limit_s=30))
+    assert (f.proj.jobs["a"].spec.priority, f.proj.jobs["a"].spec.time_limit_s) == ("normal", 60)
+    assert f(ev.JobUpdated(job_id="b", priority="high"))
+    assert f.proj.jobs["b"].spec.priority == "high"

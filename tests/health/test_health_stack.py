@@ -132,3 +132,17 @@ async def test_a_job_past_its_time_limit_is_stopped_and_fails_with_the_reason(ev
         assert at(timed_out) - at(steps[kinds.index("task_started")]) < 1 + 2.5
         assert steps[kinds.index("task_exited")]["data"]["signal"] == signal.SIGTERM
         assert "queued" not in kinds[kinds.index("timed_out"):], "a timed-out job is never requeued"
+
+
+async def test_a_running_job_whose_time_limit_is_lowered_is_stopped_at_the_new_limit(eventlog: EventLog, agents):
+    """scontrol update TimeLimit on a running job: the health service enforces the limit the job has now."""
+    async with in_process_stack(eventlog) as (client, _):
+        agents("a")
+        await nodes_up(client, 1)
+        spec = job("long").gpus(1).time_limit(3600).build().model_copy(update={"command": SLEEPER})
+        job_id = await submit(client, spec)
+        await job_when(client, job_id, lambda j: j["state"] == "running", "the job to run")
+        r = await client.patch(f"/v1/jobs/{job_id}", json={"time_limit_s": 1})
+        assert r.status_code == 200 and r.json()["spec"]["time_limit_s"] == 1, r.text
+        done = await job_when(client, job_id, lambda j: j["state"] in ("failed", "succeeded"), "the job to end")
+        assert (done["state"], done["reason"]) == ("failed", "time limit exceeded")

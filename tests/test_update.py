@@ -99,3 +99,25 @@ async def test_gpuorch_update_changes_priority_and_time_limit_from_the_command_l
         assert code != 0 and "not removed" in " ".join(out.split()), out
         code, out = await gpuorch("update", waiting)
         assert code != 0 and "nothing to change" in " ".join(out.split()), out
+
+
+async def test_a_change_read_again_after_a_race_is_checked_again(eventlog: EventLog, monkeypatch):
+    """A user lowers a limit from 3,600 s to 3,000 s while an admin lowers it to 1,000 s: tried again on the job as
+    it is now, the user's change would raise the limit, so it is refused, not appended."""
+    async with in_process_stack(eventlog, heartbeat_timeout_s=3600) as (client, _):
+        await with_a_node(eventlog)
+        alice = await as_user(client, "alice")
+        await client.post("/v1/jobs", json=job("blocker", 8))
+        hers = (await alice.post("/v1/jobs", json=job("big", 8, time_limit_s=3600))).json()["id"]
+        await quiet(eventlog)
+        real = eventlog.append_many
+
+        async def admin_first(envs, *a, **kw):
+            envs = list(envs)
+            if any(isinstance(e.data, ev.JobUpdated) for e in envs):
+                await eventlog.append(Envelope(ev.JobUpdated(job_id=hers, time_limit_s=1000)))
+            return await real(envs, *a, **kw)
+        monkeypatch.setattr(eventlog, "append_many", admin_first)
+        r = await alice.patch(f"/v1/jobs/{hers}", json={"time_limit_s": 3000})
+        assert r.status_code == 403 and "1000 s, asked 3000 s" in r.json()["detail"], r.text
+        assert (await state_of(client, hers))["spec"]["time_limit_s"] == 1000

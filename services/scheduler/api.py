@@ -750,7 +750,9 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             if (why := update_error(j, change, p)) is not None:
                 raise HTTPException(403, why)
 
-        def make(j: JobRecord) -> Envelope:
+        def make(j: JobRecord) -> Envelope:  # checked again here: a job read again after a race may have changed
+            if (why := update_error(j, change, p)) is not None:
+                raise HTTPException(403, why)
             return Envelope(ev.JobUpdated(job_id=j.job_id, priority=change.priority, time_limit_s=change.time_limit_s),
                             id=f"{j.job_id}-update-{j.seq}-{change.priority}-{change.time_limit_s}",
                             source="/gpuorch/scheduler", actor=p.user)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
-from pydantic import Discriminator, Field, StrictBool, Tag, field_validator
+from pydantic import ConfigDict, Discriminator, Field, StrictBool, Tag, field_validator
 
 from services.jobfiles import Context, load_site_map
 from services.scheduler.admission import admission_error
@@ -138,12 +138,21 @@ def fold_wait_s(svc: Service, events: int) -> float:
     return min(FOLD_WAIT_MAX_S, svc.catch_up_timeout_s + events / FOLDS_PER_S)
 
 
+def _at_least_one(schema: dict[str, Any]) -> None:
+    """A JobUpdate's schema: one of its fields at least, and no null default (an absent field is unchanged)."""
+    schema["anyOf"] = [{"required": [name]} for name in schema["properties"]]
+    for prop in schema["properties"].values():
+        prop.pop("default", None)
+
+
 class JobUpdate(Frozen):
     """What PATCH /v1/jobs/{id} takes (scontrol update): a waiting job's priority, a waiting or running job's time
-    limit. Only an admin raises a time limit, as in Slurm."""
+    limit, or both (at least one; null is not a value). Only an admin raises a time limit, as in Slurm."""
 
-    priority: Priority | None = None
-    time_limit_s: Annotated[int, Field(gt=0, le=365 * 86400), JsonNumber] | None = None
+    model_config = ConfigDict(**Frozen.model_config, json_schema_extra=_at_least_one)
+
+    priority: Priority = None  # type: ignore[assignment]  # absent: unchanged
+    time_limit_s: Annotated[int, Field(gt=0, le=365 * 86400), JsonNumber] = None  # type: ignore[assignment]
 
 
 class CancelRequest(Frozen):

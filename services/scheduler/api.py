@@ -755,7 +755,8 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
         jobs = members if array else [known(job_id, p, "change")]
         if array and any(job_access(p, j, proj.queues) != "cancel" for j in jobs):
             raise HTTPException(403, f"{p.user} may see array {job_id} but not change it")
-        for j in jobs:
+        todo = [j for j in jobs if j.state in want]
+        for j in todo:  # every element checked before any is changed (an ended one is not changed: not checked)
             if (why := update_error(j, change, p)) is not None:
                 raise HTTPException(403, why)
 
@@ -765,7 +766,7 @@ def router(svc: Service, scheduler: "Scheduler") -> APIRouter:
             return Envelope(ev.JobUpdated(job_id=j.job_id, priority=change.priority, time_limit_s=change.time_limit_s),
                             id=f"{j.job_id}-update-{j.seq}-{change.priority}-{change.time_limit_s}",
                             source="/gpuorch/scheduler", actor=p.user)
-        done = await appended_many([j for j in jobs if j.state in want], make, want)
+        done = await appended_many(todo, make, want)
         if not done:
             field, what = ("priority", "waits") if change.priority is not None else ("time limit", "waits or runs")
             if array:

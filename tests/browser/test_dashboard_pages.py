@@ -84,6 +84,9 @@ async def test_a_user_sees_their_own_jobs_and_an_operator_sees_everyones(eventlo
         assert (await alice.get(f"/ui/jobs/{theirs}")).status_code == 404
         page = (await olga.get("/ui/jobs?state=all")).text
         assert mine in page and theirs in page and ">User<" in page
+        async def has_a_reason():  # the reason is the scheduler's, logged by its cycle after the submission
+            return (await client.get(f"/v1/jobs/{mine}")).json()["reason"]
+        await until(has_a_reason, 10, "the scheduler to say why the job waits")
         r = await alice.get(f"/ui/jobs/{mine}")
         assert r.status_code == 200 and "alices-job" in r.text and "Why it waits" in r.text, r.text[-3000:]
         assert (await olga.get("/ui/events")).status_code == 200
